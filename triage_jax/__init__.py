@@ -1,0 +1,1 @@
+"""triage-jax: stable low-precision RL for LLMs in JAX/Flax."""
