@@ -1,0 +1,120 @@
+"""Precision policies: which format each matmul's weights, activations and gradients use (the miniTE split).
+
+A policy is data, selected by config strings, separate from the layer that calls the quantized dot and from the
+backend that executes it. Per-layer rules match module paths (e.g. "layers.3.mlp.down_proj"); by default the
+embeddings, the LM head, the MoE router and norms stay in high precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable
+
+FORMATS = ("none", "nvfp4", "mxfp8", "fp8")
+GRAD_MODES = ("bf16", "f32", "nvfp4")
+KV_FORMATS = ("bf16", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrecision:
+    """Formats of one matmul. "none" keeps the operand in the compute dtype."""
+
+    weight: str = "none"
+    act: str = "none"
+    weight_scaling: str = "tensor"  # NVFP4 weights: "tensor" (1D blocks) or "tile2d" (16x16 tiles)
+    act_scaling: str = "tensor"  # NVFP4 activations: "tensor" or "row" (token-wise)
+    grad: str = "bf16"  # backward GEMMs: "bf16" / "f32" straight-through, or "nvfp4" (SR + RHT)
+
+    def __post_init__(self):
+        for field, value, allowed in (
+            ("weight", self.weight, FORMATS),
+            ("act", self.act, FORMATS),
+            ("weight_scaling", self.weight_scaling, ("tensor", "tile2d")),
+            ("act_scaling", self.act_scaling, ("tensor", "row")),
+            ("grad", self.grad, GRAD_MODES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"LayerPrecision.{field}={value!r}; expected one of {allowed}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight != "none" or self.act != "none"
+
+
+HIGH = LayerPrecision()
+
+PRESETS: dict[str, LayerPrecision] = {
+    "bf16": HIGH,
+    "fp8": LayerPrecision(weight="fp8", act="fp8"),
+    "w4a16": LayerPrecision(weight="nvfp4"),
+    "w4a8": LayerPrecision(weight="nvfp4", act="mxfp8"),
+    "w4a4": LayerPrecision(weight="nvfp4", act="nvfp4"),
+}
+
+# Modules that stay in high precision unless a rule says otherwise (numerics.md, "Training-recipe pieces").
+DEFAULT_HIGH_PRECISION = (r"(^|\.)embed", r"(^|\.)lm_head$", r"(^|\.)router$", r"norm")
+
+
+def _as_precision(p: LayerPrecision | str) -> LayerPrecision:
+    if isinstance(p, LayerPrecision):
+        return p
+    if p not in PRESETS:
+        raise ValueError(f"unknown precision preset {p!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[p]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+    """A model-wide policy: the default layer precision, ordered per-path rules, KV-cache format and backend.
+
+    Hashable, so it can be a static argument of jitted functions. `rules` are (regex, precision) pairs; the
+    first whose regex `re.search`es the module path wins, then the high-precision defaults, then `default`.
+    """
+
+    default: LayerPrecision = HIGH
+    rules: tuple[tuple[str, LayerPrecision], ...] = ()
+    kv_cache: str = "bf16"
+    backend: str = "xla"
+    keep_high_precision: tuple[str, ...] = DEFAULT_HIGH_PRECISION
+
+    def __post_init__(self):
+        if self.kv_cache not in KV_FORMATS:
+            raise ValueError(f"PrecisionPolicy.kv_cache={self.kv_cache!r}; expected one of {KV_FORMATS}")
+        for pattern, _ in self.rules:
+            re.compile(pattern)
+
+    @classmethod
+    def from_spec(
+        cls,
+        preset: str,
+        *,
+        act_scaling: str | None = None,
+        weight_scaling: str | None = None,
+        grad: str | None = None,
+        kv_cache: str = "bf16",
+        backend: str = "xla",
+        rules: Iterable[tuple[str, LayerPrecision | str]] = (),
+    ) -> "PrecisionPolicy":
+        """Build from config strings, e.g. from_spec("w4a4", act_scaling="row", kv_cache="fp8")."""
+        base = _as_precision(preset)
+        overrides = {
+            k: v
+            for k, v in (("act_scaling", act_scaling), ("weight_scaling", weight_scaling), ("grad", grad))
+            if v is not None
+        }
+        return cls(
+            default=dataclasses.replace(base, **overrides),
+            rules=tuple((pat, _as_precision(p)) for pat, p in rules),
+            kv_cache=kv_cache,
+            backend=backend,
+        )
+
+    def for_layer(self, path: str) -> LayerPrecision:
+        """The precision of the matmul at module `path`."""
+        for pattern, prec in self.rules:
+            if re.search(pattern, path):
+                return prec
+        if any(re.search(p, path) for p in self.keep_high_precision):
+            return HIGH
+        return self.default
