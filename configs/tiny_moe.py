@@ -1,0 +1,11 @@
+"""Tiny MoE model (8 experts, top-2) on the synthetic math task."""
+
+from triage_jax.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.run_dir = "runs/tiny_moe"
+    c.model.preset = "tiny_moe"
+    c.warmup.cache_dir = "runs/warmup_cache_moe"
+    return c

@@ -1,0 +1,228 @@
+"""The one config schema (ml_collections) and its validation, run before any compilation.
+
+Every config file in configs/ starts from `base_config()` and overrides values; the dict is locked, so a
+misspelt key (in a file or a `--config.a.b=value` flag) fails at once. `validate` checks values and their
+consistency and names the offending key.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+PRECISIONS = ("bf16", "fp8", "w4a16", "w4a8", "w4a4")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+CORRECTIONS = ("none", "token_tis", "seq_tis", "seq_mis", "icepop", "geo_rs", "triage")
+REMAT = ("none", "full", "save_dots")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid or contradicts another; the message names the key."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """All keys with defaults (the tiny CPU run); config files override."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.run_dir = "runs/default"
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "tiny"  # a models.config preset name, ignored when hf_path is set
+    c.model.hf_path = ""  # HF checkpoint folder (config.json + safetensors)
+    c.model.dtype = "float32"
+    c.model.param_dtype = "float32"
+    c.model.remat = "none"
+    c.model.vocab_size = 0  # 0: take it from the tokenizer (tiny presets)
+
+    c.tokenizer = "char"  # "char" or a path to a tokenizer.json
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "synthetic"  # "synthetic" or "dapo"
+    c.data.path = ""  # DAPO-Math-17k parquet/jsonl when source == "dapo"
+    c.data.template = "short"  # "short" or "dapo"
+    c.data.levels = (1,)
+    c.data.num_examples = 20000
+    c.data.max_bad_fraction = 0.01
+    c.data.eval_path = ""
+    c.data.eval_name = "synthetic"
+
+    c.warmup = ml_collections.ConfigDict()  # supervised warm-up, runs when no base checkpoint exists
+    c.warmup.enabled = True
+    c.warmup.steps = 300
+    c.warmup.batch_size = 64
+    c.warmup.lr = 3e-3
+    c.warmup.cache_dir = "runs/warmup_cache"
+
+    c.sampler = ml_collections.ConfigDict()
+    c.sampler.precision = "w4a4"
+    c.sampler.kv_cache = "bf16"
+    c.sampler.temperature = 1.0
+    c.sampler.top_p = 1.0
+    c.sampler.top_k = 0
+    c.sampler.max_prompt_len = 32
+    c.sampler.max_new_tokens = 24
+
+    c.learner = ml_collections.ConfigDict()
+    c.learner.precision = "bf16"
+    c.learner.backend = "xla"
+    c.learner.vocab_chunk = 0  # 0: no chunking of the LM head log-softmax
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.num_prompts = 16  # prompts per rollout batch
+    c.rl.group_size = 8  # responses per prompt (G)
+    c.rl.mini_batch = 64  # responses per optimizer update
+    c.rl.micro_batch = 64  # responses per gradient-accumulation micro-batch
+    c.rl.eps_low = 0.2
+    c.rl.eps_high = 0.28
+    c.rl.dual_clip = 0.0  # 0: off; else c (> 1) for A < 0
+    c.rl.agg = "token-mean"
+    c.rl.std_normalize = True
+    c.rl.dynamic_sampling = True
+    c.rl.max_resample = 3  # extra rollout batches dynamic sampling may draw to fill a batch
+    c.rl.max_response_len = 24
+    c.rl.overlong_buffer = 0
+    c.rl.overlong_factor = 1.0
+    c.rl.kl_coef = 0.0
+    c.rl.correction = "triage"
+    c.rl.tis_c = 2.0
+    c.rl.mis_lo = 0.5
+    c.rl.mis_hi = 2.0
+    c.rl.icepop_lo = 0.5
+    c.rl.icepop_hi = 5.0
+    c.rl.geo_lo = 0.999
+    c.rl.geo_hi = 1.001
+    c.rl.triage = ml_collections.ConfigDict()
+    c.rl.triage.segment_len = 64
+    c.rl.triage.tau_tail = 0.3
+    c.rl.triage.g_lo = 0.02
+    c.rl.triage.g_hi = 0.10
+    c.rl.triage.f_lo = 0.10
+    c.rl.triage.f_hi = 0.30
+    c.rl.triage.w_min = 0.2
+    c.rl.triage.tau_rep = 0.0
+    c.rl.triage.beta = 0.1
+    c.rl.triage.lambda_rep = 0.5
+    c.rl.triage.k_rep = 100
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-4
+    c.optim.warmup_steps = 5
+    c.optim.weight_decay = 0.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.grad_clip = 1.0
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 50
+    c.train.log_every = 1
+    c.train.ckpt_every = 10
+    c.train.keep_checkpoints = 3
+    c.train.max_nonfinite = 3  # consecutive non-finite updates before the run stops
+    c.train.eval_every = 0
+    c.train.progress = True
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.mesh.expert = 1
+    c.lock()  # new keys are typos: reject them (values stay mutable)
+    return c
+
+
+def _fail(key: str, msg: str):
+    raise ConfigError(f"config.{key}: {msg}")
+
+
+def _one_of(c, key: str, allowed):
+    value = c
+    for part in key.split("."):
+        value = value[part]
+    if value not in allowed:
+        _fail(key, f"{value!r} is not one of {list(allowed)}")
+
+
+def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
+    """Check values and cross-key consistency; raise ConfigError naming the key. Cheap: no JAX work."""
+    _one_of(c, "sampler.precision", PRECISIONS)
+    _one_of(c, "learner.precision", PRECISIONS)
+    _one_of(c, "sampler.kv_cache", ("bf16", "fp8"))
+    _one_of(c, "rl.agg", AGG_MODES)
+    _one_of(c, "rl.correction", CORRECTIONS)
+    _one_of(c, "model.remat", REMAT)
+    _one_of(c, "data.source", ("synthetic", "dapo"))
+    _one_of(c, "data.template", ("short", "dapo"))
+    _one_of(c, "model.dtype", ("float32", "bfloat16"))
+    _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
+
+    for key in ("rl.num_prompts", "rl.group_size", "rl.mini_batch", "rl.micro_batch", "train.steps",
+                "sampler.max_new_tokens", "sampler.max_prompt_len", "rl.max_response_len"):
+        sect, name = key.split(".")
+        if int(c[sect][name]) < 1:
+            _fail(key, f"must be >= 1, got {c[sect][name]}")
+    for name in ("data", "fsdp", "tensor", "expert"):
+        if int(c.mesh[name]) < 1:
+            _fail(f"mesh.{name}", f"must be >= 1, got {c.mesh[name]}")
+
+    rl = c.rl
+    if rl.group_size == 1 and rl.std_normalize:
+        _fail("rl.group_size", "group size 1 with rl.std_normalize=True: the group std is undefined")
+    if rl.group_size == 1 and rl.dynamic_sampling:
+        _fail("rl.group_size", "group size 1 with rl.dynamic_sampling=True drops every group")
+    batch = rl.num_prompts * rl.group_size
+    if batch % rl.mini_batch:
+        _fail("rl.mini_batch", f"{rl.mini_batch} does not divide the rollout batch "
+              f"num_prompts*group_size = {rl.num_prompts}*{rl.group_size} = {batch}")
+    if rl.mini_batch % rl.micro_batch:
+        _fail("rl.micro_batch", f"{rl.micro_batch} does not divide rl.mini_batch = {rl.mini_batch}")
+    data_axes = c.mesh.data * c.mesh.fsdp
+    if rl.micro_batch % data_axes:
+        _fail("rl.micro_batch", f"{rl.micro_batch} is not divisible by the data axes mesh.data*mesh.fsdp = "
+              f"{c.mesh.data}*{c.mesh.fsdp} = {data_axes}")
+    if not 0 <= rl.eps_low < 1 or rl.eps_high < 0:
+        _fail("rl.eps_low", f"clip range eps_low={rl.eps_low}, eps_high={rl.eps_high} is invalid")
+    if rl.dual_clip and rl.dual_clip <= 1:
+        _fail("rl.dual_clip", f"dual clip constant must be > 1 (or 0 for off), got {rl.dual_clip}")
+    if rl.overlong_buffer < 0 or rl.overlong_buffer >= rl.max_response_len:
+        _fail("rl.overlong_buffer", f"{rl.overlong_buffer} must be in [0, rl.max_response_len={rl.max_response_len})")
+    if c.sampler.max_new_tokens > rl.max_response_len:
+        _fail("sampler.max_new_tokens", f"{c.sampler.max_new_tokens} exceeds rl.max_response_len={rl.max_response_len}")
+    t = rl.triage
+    if t.g_hi <= t.g_lo:
+        _fail("rl.triage.g_hi", f"must exceed g_lo ({t.g_hi} <= {t.g_lo})")
+    if t.f_hi <= t.f_lo:
+        _fail("rl.triage.f_hi", f"must exceed f_lo ({t.f_hi} <= {t.f_lo})")
+    if not 0 < t.w_min <= 1:
+        _fail("rl.triage.w_min", f"must be in (0, 1], got {t.w_min}")
+    if t.segment_len < 1:
+        _fail("rl.triage.segment_len", f"must be >= 1, got {t.segment_len}")
+    if not 0 < c.sampler.temperature:
+        _fail("sampler.temperature", f"must be > 0, got {c.sampler.temperature}")
+    if not 0 < c.sampler.top_p <= 1:
+        _fail("sampler.top_p", f"must be in (0, 1], got {c.sampler.top_p}")
+    if c.optim.lr <= 0:
+        _fail("optim.lr", f"must be > 0, got {c.optim.lr}")
+
+    if check_paths:
+        if c.model.preset.startswith("qwen3") and not c.model.hf_path:
+            _fail("model.hf_path", f"preset {c.model.preset!r} needs its HF checkpoint: pass --config.model.hf_path=DIR")
+        if c.model.hf_path and not os.path.isdir(c.model.hf_path):
+            _fail("model.hf_path", f"{c.model.hf_path!r} is not a directory (pass --config.model.hf_path=/path/to/hf)")
+        if c.data.source == "dapo":
+            if not c.data.path:
+                _fail("data.path", "data.source='dapo' needs the DAPO-Math-17k file: pass --config.data.path=...")
+            if not os.path.exists(c.data.path):
+                _fail("data.path", f"{c.data.path!r} does not exist (pass --config.data.path=...)")
+        tok = tokenizer_path(c)
+        if tok != "char" and not os.path.exists(tok):
+            _fail("tokenizer", f"{tok!r} does not exist (pass --config.tokenizer=/path/tokenizer.json)")
+
+
+def tokenizer_path(c: ml_collections.ConfigDict) -> str:
+    """'char', the configured tokenizer.json, or (when empty) the one beside the HF checkpoint."""
+    if c.tokenizer:
+        return c.tokenizer
+    if not c.model.hf_path:
+        raise ConfigError("config.tokenizer: empty and no config.model.hf_path to take tokenizer.json from")
+    return os.path.join(c.model.hf_path, "tokenizer.json")
