@@ -1,0 +1,279 @@
+"""The GRPO learner: log-prob recompute, corrections, loss and diagnostics, and the optax update, on a mesh.
+
+Functional: the model is split once into a static graphdef and a parameter pytree; every compiled function
+takes parameters (sharded by the logical-axis rules) and a batch (sharded over the data axes). One mini-batch
+update is one compiled call that scans over its micro-batches and accumulates exact gradients: each
+micro-batch's unreduced loss sum is divided by the mini-batch denominator computed up front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from triage_jax import sharding as shd
+from triage_jax.logprobs import token_logprobs
+from triage_jax.quant import PrecisionPolicy
+from triage_jax.rl import corrections as corr
+from triage_jax.rl import diagnostics, grpo
+from triage_jax.rl.triage import TriageConfig, repair_loss_sum
+
+F32 = jnp.float32
+
+
+@struct.dataclass
+class RolloutBatch:
+    """N responses laid out as [left-padded prompt (P) | response (R)]; S = P + R."""
+
+    input_ids: jax.Array  # int32 [N, S]
+    attn_mask: jax.Array  # bool [N, S]: real prompt and response tokens
+    resp_mask: jax.Array  # float32 [N, R]: real response tokens
+    adv: jax.Array  # float32 [N]
+    sampler_logp: jax.Array  # float32 [N, R]
+    old_logp: jax.Array  # float32 [N, R] (learner, before the update)
+    ref_logp: jax.Array  # float32 [N, R] (reference policy; zeros when the KL term is off)
+    weights: jax.Array  # float32 [N, R] correction weights (TRIAGE alpha, TIS, ...)
+    loss_mask: jax.Array  # float32 [N, R] resp_mask with the correction's dropped tokens zeroed
+
+    @property
+    def resp_len(self) -> int:
+        return self.resp_mask.shape[1]
+
+    @property
+    def num(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def response_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temperature, vocab_chunk,
+                      return_entropy=False):
+    """Teacher-forced log-probs of the last `resp_len` tokens of each row ([N, R])."""
+    inputs, targets = input_ids[:, :-1], input_ids[:, 1:]
+    tmask = attn_mask[:, 1:]
+    out = token_logprobs(model, inputs, targets, tmask, policy=policy, temperature=temperature,
+                         vocab_chunk=vocab_chunk, attention_mask_bt=attn_mask[:, :-1],
+                         return_entropy=return_entropy)
+    if return_entropy:
+        return out[0][:, -resp_len:], out[1][:, -resp_len:]
+    return out[:, -resp_len:]
+
+
+def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and global-norm clipping; non-finite updates are skipped (and counted)."""
+    sched = optax.join_schedules(
+        [optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1)), optax.constant_schedule(c.lr)],
+        [max(c.warmup_steps, 1)],
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(c.grad_clip) if c.grad_clip > 0 else optax.identity(),
+        optax.adamw(sched, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
+    )
+    # The trainer stops the run after train.max_nonfinite consecutive skips; never apply a NaN update.
+    return optax.apply_if_finite(tx, max_consecutive_errors=1 << 30)
+
+
+def nonfinite_count(opt_state) -> jax.Array:
+    """Consecutive skipped (non-finite) updates, from optax.apply_if_finite's state."""
+    return opt_state.notfinite_count
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """Everything static the loss needs (hashable: part of the compiled step's cache key)."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip: float | None
+    agg: str
+    kl_coef: float
+    temperature: float
+    vocab_chunk: int
+    triage: TriageConfig | None  # repair term on when the correction is TRIAGE
+    aux_coef: float
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict, vocab_size: int) -> "LossSettings":
+        return cls(
+            eps_low=c.rl.eps_low, eps_high=c.rl.eps_high, dual_clip=c.rl.dual_clip or None, agg=c.rl.agg,
+            kl_coef=c.rl.kl_coef, temperature=c.sampler.temperature,
+            vocab_chunk=c.learner.vocab_chunk or vocab_size,
+            triage=triage_config(c) if c.rl.correction == "triage" else None, aux_coef=0.0,
+        )
+
+
+def triage_config(c: ml_collections.ConfigDict) -> TriageConfig:
+    return TriageConfig(**c.rl.triage.to_dict())
+
+
+def correction_config(c: ml_collections.ConfigDict):
+    """The correction's config dataclass from the flat rl.* keys."""
+    name = c.rl.correction
+    if name == "triage":
+        return triage_config(c)
+    overrides = {
+        "token_tis": {"C": c.rl.tis_c}, "seq_tis": {"C": c.rl.tis_c},
+        "seq_mis": {"lo": c.rl.mis_lo, "C": c.rl.mis_hi}, "icepop": {"a": c.rl.icepop_lo, "b": c.rl.icepop_hi},
+        "geo_rs": {"lo": c.rl.geo_lo, "hi": c.rl.geo_hi}, "none": {},
+    }[name]
+    return corr.make_config(name, overrides)
+
+
+def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, s: LossSettings, policy):
+    """Loss contribution of one micro-batch: its sums over the mini-batch denominators (exact accumulation)."""
+    logp = response_logprobs(model, mb.input_ids, mb.attn_mask, mb.resp_len, policy=policy,
+                             temperature=s.temperature, vocab_chunk=s.vocab_chunk)
+    pl_sum, _, m = grpo.policy_loss(logp, mb.old_logp, mb.adv, mb.loss_mask, eps_low=s.eps_low,
+                                    eps_high=s.eps_high, dual_clip=s.dual_clip, weights=mb.weights, agg=s.agg,
+                                    max_len=mb.resp_len)
+    loss = pl_sum / denom
+    terms = {"policy_loss": loss}
+    if s.kl_coef:
+        kl_sum, _ = grpo.aggregate(grpo.k3_kl(logp, mb.ref_logp, mb.loss_mask), mb.loss_mask, s.agg,
+                                   max_len=mb.resp_len)
+        terms["kl_loss"] = s.kl_coef * kl_sum / denom
+        loss = loss + terms["kl_loss"]
+    if s.triage is not None:
+        rep_sum, _ = repair_loss_sum(mb.adv, logp, mb.sampler_logp, mb.resp_mask, step, s.triage)
+        terms["repair_loss"] = rep_sum / jnp.maximum(rep_count, 1.0)
+        loss = loss + terms["repair_loss"]
+    return loss, (terms, m)
+
+
+class Learner:
+    """Holds the sharded parameters and optimizer state; compiles recompute and update once per shape."""
+
+    def __init__(self, model: nnx.Module, c: ml_collections.ConfigDict, *, mesh=None, total_steps: int = 1,
+                 vocab_size: int):
+        self.cfg = c
+        self.mesh = mesh if mesh is not None else shd.make_mesh(c.mesh.to_dict())
+        self.rules = shd.DEFAULT_RULES
+        self.policy = PrecisionPolicy.from_spec(c.learner.precision, backend=c.learner.backend)
+        self.settings = LossSettings.from_config(c, vocab_size)
+        self.micro = c.rl.micro_batch
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.param_shardings = shd.state_shardings(params, self.mesh, self.rules)
+        self.params = jax.device_put(params, self.param_shardings)
+        self.tx = make_optimizer(c.optim, total_steps)
+        self.opt_state = jax.jit(self.tx.init)(self.params)
+        self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
+        self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(3,))
+
+    # ------------------------------------------------------------------------------------------ sharding
+    def shard_batch(self, tree):
+        """Put [N, ...] arrays on the mesh, N split over the data axes."""
+        return jax.tree.map(lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, x.ndim, self.rules)), tree)
+
+    def model(self, params=None) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.params if params is None else params)
+
+    # ------------------------------------------------------------------------------------------ recompute
+    def _logprobs_impl(self, params, input_ids, attn_mask, resp_len: int):
+        model = nnx.merge(self.graphdef, params)
+        n = input_ids.shape[0]
+        k = max(1, n // self.micro)
+
+        def one(args):
+            ids, am = args
+            return response_logprobs(model, ids, am, resp_len, policy=self.policy,
+                                     temperature=self.settings.temperature, vocab_chunk=self.settings.vocab_chunk,
+                                     return_entropy=True)
+
+        ids = input_ids.reshape(k, n // k, -1)
+        am = attn_mask.reshape(k, n // k, -1)
+        logp, ent = jax.lax.map(one, (ids, am))
+        return logp.reshape(n, resp_len), ent.reshape(n, resp_len)
+
+    def logprobs(self, input_ids, attn_mask, resp_len: int, params=None):
+        """Learner log-probs and entropies of the response tokens, in micro-batches, without gradient."""
+        if input_ids.shape[0] % self.micro and input_ids.shape[0] > self.micro:
+            raise ValueError(f"batch {input_ids.shape[0]} is not a multiple of rl.micro_batch={self.micro}")
+        ids, am = self.shard_batch((input_ids, attn_mask))
+        return self._logprobs(self.params if params is None else params, ids, am, resp_len)
+
+    # ------------------------------------------------------------------------------------------ update
+    def _update_impl(self, params, opt_state, mb_all: RolloutBatch, step):
+        s = self.settings
+        n = mb_all.num
+        k = n // self.micro
+        # Denominators of the whole mini-batch (parameter-free), so micro-batch sums accumulate exactly.
+        _, denom = grpo.aggregate(jnp.zeros_like(mb_all.loss_mask), mb_all.loss_mask, s.agg,
+                                  max_len=mb_all.resp_len)
+        denom = jnp.maximum(denom, 1.0)
+        rep_count = jnp.float32(0.0)
+        if s.triage is not None:
+            _, rep_count = repair_loss_sum(mb_all.adv, mb_all.sampler_logp, mb_all.sampler_logp, mb_all.resp_mask,
+                                           step, s.triage)
+        batch_spec = shd.logical_to_mesh(("batch",), self.rules, self.mesh)
+        micro = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(
+                x.reshape(k, self.micro, *x.shape[1:]),
+                NamedSharding(self.mesh, P(None, *batch_spec, *([None] * (x.ndim - 1)))),
+            ),
+            mb_all,
+        )
+        total_tokens = jnp.maximum(jnp.sum(mb_all.loss_mask), 1.0)
+
+        def grad_of(mb):
+            def f(p):
+                model = nnx.merge(self.graphdef, p)
+                loss, (terms, metrics) = micro_loss(model, mb, step, denom, rep_count, s, self.policy)
+                return loss, (terms, metrics)
+
+            return jax.value_and_grad(f, has_aux=True)(params)
+
+        def body(acc, mb):
+            (loss, (terms, metrics)), g = grad_of(mb)
+            # Micro-batch token means, weighted by token share: their sum is the mini-batch token mean.
+            share = jnp.sum(mb.loss_mask) / total_tokens
+            metrics = {kk: v * share for kk, v in metrics.items()}
+            acc = jax.tree.map(jnp.add, acc, (loss, terms, metrics, g))
+            return acc, None
+
+        zero_g = jax.tree.map(jnp.zeros_like, params)
+        (loss0, (terms0, metrics0)) = jax.eval_shape(lambda: grad_of(jax.tree.map(lambda x: x[0], micro))[0])
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (loss0, terms0, metrics0))
+        (loss, terms, metrics, grads), _ = jax.lax.scan(body, (*zeros, zero_g), micro)
+        gnorm = optax.global_norm(grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        out = {"loss": loss, "grad_norm": gnorm, **terms, **metrics,
+               "skipped_update": (~opt_state.last_finite).astype(F32)}
+        return params, opt_state, out
+
+    def update(self, mb: RolloutBatch, step: int) -> dict[str, jax.Array]:
+        """One optimizer step on a mini-batch (gradient accumulation over micro-batches inside)."""
+        if mb.num % self.micro:
+            raise ValueError(f"mini-batch of {mb.num} responses is not a multiple of rl.micro_batch={self.micro}")
+        mb = self.shard_batch(mb)
+        self.params, self.opt_state, out = self._update(self.params, self.opt_state, mb, jnp.int32(step))
+        return out
+
+
+def prepare_batch(c: ml_collections.ConfigDict, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp,
+                  ref_logp) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+    """Apply the configured correction and compute the mismatch diagnostics (one compiled call).
+
+    Returns the batch ready for `Learner.update`, the metrics and delta = old_logp - sampler_logp.
+    """
+    return _prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp,
+                    c.rl.correction, correction_config(c), triage_config(c))
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8, 9))
+def _prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, name, ccfg, tcfg):
+    delta = jnp.where(resp_mask > 0, old_logp - sampler_logp, 0.0)
+    out = corr.apply_correction(name, adv=adv, delta=delta, mask=resp_mask, cfg=ccfg)
+    batch = RolloutBatch(input_ids=input_ids, attn_mask=attn_mask, resp_mask=resp_mask, adv=adv,
+                         sampler_logp=sampler_logp, old_logp=old_logp, ref_logp=ref_logp, weights=out.weights,
+                         loss_mask=out.mask.astype(F32))
+    diag = diagnostics.mismatch_metrics(adv, delta, resp_mask, tcfg, weights=out.weights)
+    metrics = {**{f"mismatch/{k}": v for k, v in diag.items()},
+               **{f"correction/{k}": v for k, v in out.metrics.items()}}
+    return batch, metrics, delta

@@ -1,0 +1,78 @@
+"""Device mesh and the one table mapping logical axis names to mesh axes (as MaxText does).
+
+Parameters carry logical names (embed, heads, kv, mlp, expert, vocab) and activations (batch, length); the
+table in `config.mesh.rules` maps each to mesh axes (data, fsdp, tensor, expert). Nothing else in the code
+names a mesh axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# logical name -> mesh axes (None: replicated). The batch is split over every data-parallel axis.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("expert", "expert"),
+)
+
+
+def make_mesh(shape: dict[str, int] | Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor, expert) mesh; `shape` maps axis -> size (missing axes are 1)."""
+    sizes = tuple(int(shape.get(a, 1) if isinstance(shape, dict) else getattr(shape, a, 1)) for a in MESH_AXES)
+    devices = list(devices if devices is not None else jax.devices())
+    need = int(np.prod(sizes))
+    if need > len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {need} devices, but {len(devices)} are available "
+            f"(on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count={need})"
+        )
+    return Mesh(np.asarray(devices[:need]).reshape(sizes), MESH_AXES)
+
+
+def logical_to_mesh(names: Sequence[str | None] | None, rules=DEFAULT_RULES, mesh: Mesh | None = None) -> P:
+    """PartitionSpec over mesh axes for a tuple of logical names; a mesh axis is used at most once per array
+    and axes of size 1 are dropped, so the spec is valid for any mesh shape."""
+    if names is None:
+        return P()
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in names:
+        target = table.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        keep = tuple(
+            a for a in axes if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1)
+        )
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return P(*out)
+
+
+def state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    """NamedShardings for an nnx.State (or any pytree of nnx variables) from its logical axis metadata."""
+    specs = nnx.get_partition_spec(state)
+
+    def to_sharding(spec):
+        names = tuple(spec) if isinstance(spec, P) else None
+        return NamedSharding(mesh, logical_to_mesh(names, rules, mesh))
+
+    return jax.tree.map(to_sharding, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
+    """Sharding of a [batch, ...] array: batch over the data-parallel axes, the rest replicated."""
+    return NamedSharding(mesh, logical_to_mesh(("batch",) + (None,) * (ndim - 1), rules, mesh))
