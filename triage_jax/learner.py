@@ -20,7 +20,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from triage_jax import sharding as shd
-from triage_jax.logprobs import token_logprobs
+from triage_jax.logprobs import chunked_logprobs, default_positions
 from triage_jax.quant import PrecisionPolicy
 from triage_jax.rl import corrections as corr
 from triage_jax.rl import diagnostics, grpo
@@ -52,25 +52,26 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
 
-def response_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temperature, vocab_chunk,
-                      return_entropy=False):
-    """Teacher-forced log-probs of the last `resp_len` tokens of each row ([N, R])."""
-    inputs, targets = input_ids[:, :-1], input_ids[:, 1:]
-    tmask = attn_mask[:, 1:]
-    out = token_logprobs(model, inputs, targets, tmask, policy=policy, temperature=temperature,
-                         vocab_chunk=vocab_chunk, attention_mask_bt=attn_mask[:, :-1],
-                         return_entropy=return_entropy)
-    if return_entropy:
-        return out[0][:, -resp_len:], out[1][:, -resp_len:]
-    return out[:, -resp_len:]
+def response_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temperature, vocab_chunk):
+    """Teacher-forced log-probs, entropies and the MoE load-balancing loss of the last `resp_len` tokens.
+
+    Returns (logp [N, R], entropy [N, R], aux scalar). Only response positions go through the LM head.
+    """
+    inputs, am = input_ids[:, :-1], attn_mask[:, :-1]
+    h_btd, aux = model(inputs, default_positions(am), am, policy=policy, return_hidden=True, return_aux=True)
+    targets = input_ids[:, -resp_len:]
+    logp, ent = chunked_logprobs(h_btd[:, -resp_len:], model.lm_head_kernel(), targets, policy=policy,
+                                 temperature=temperature, vocab_chunk=vocab_chunk, return_entropy=True)
+    real = attn_mask[:, -resp_len:]
+    return jnp.where(real, logp, 0.0), jnp.where(real, ent, 0.0), aux["moe_aux_loss"]
 
 
 def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
     """AdamW with linear warm-up and global-norm clipping; non-finite updates are skipped (and counted)."""
-    sched = optax.join_schedules(
-        [optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1)), optax.constant_schedule(c.lr)],
-        [max(c.warmup_steps, 1)],
-    )
+    # Linear warm-up lr*(k+1)/W over the first W updates (never a zero-lr first update), then constant.
+    w = max(int(c.warmup_steps), 1)
+    sched = optax.join_schedules([optax.linear_schedule(c.lr / w, c.lr, w - 1) if w > 1 else
+                                  optax.constant_schedule(c.lr), optax.constant_schedule(c.lr)], [w])
     tx = optax.chain(
         optax.clip_by_global_norm(c.grad_clip) if c.grad_clip > 0 else optax.identity(),
         optax.adamw(sched, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
@@ -99,12 +100,13 @@ class LossSettings:
     aux_coef: float
 
     @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict, vocab_size: int) -> "LossSettings":
+    def from_config(cls, c: ml_collections.ConfigDict, model_cfg) -> "LossSettings":
         return cls(
             eps_low=c.rl.eps_low, eps_high=c.rl.eps_high, dual_clip=c.rl.dual_clip or None, agg=c.rl.agg,
             kl_coef=c.rl.kl_coef, temperature=c.sampler.temperature,
-            vocab_chunk=c.learner.vocab_chunk or vocab_size,
-            triage=triage_config(c) if c.rl.correction == "triage" else None, aux_coef=0.0,
+            vocab_chunk=c.learner.vocab_chunk or model_cfg.vocab_size,
+            triage=triage_config(c) if c.rl.correction == "triage" else None,
+            aux_coef=model_cfg.router_aux_loss_coef if model_cfg.num_experts else 0.0,
         )
 
 
@@ -125,10 +127,10 @@ def correction_config(c: ml_collections.ConfigDict):
     return corr.make_config(name, overrides)
 
 
-def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, s: LossSettings, policy):
+def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, tokens, s: LossSettings, policy):
     """Loss contribution of one micro-batch: its sums over the mini-batch denominators (exact accumulation)."""
-    logp = response_logprobs(model, mb.input_ids, mb.attn_mask, mb.resp_len, policy=policy,
-                             temperature=s.temperature, vocab_chunk=s.vocab_chunk)
+    logp, _, aux = response_logprobs(model, mb.input_ids, mb.attn_mask, mb.resp_len, policy=policy,
+                                     temperature=s.temperature, vocab_chunk=s.vocab_chunk)
     pl_sum, _, m = grpo.policy_loss(logp, mb.old_logp, mb.adv, mb.loss_mask, eps_low=s.eps_low,
                                     eps_high=s.eps_high, dual_clip=s.dual_clip, weights=mb.weights, agg=s.agg,
                                     max_len=mb.resp_len)
@@ -143,19 +145,22 @@ def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, s: LossSettings,
         rep_sum, _ = repair_loss_sum(mb.adv, logp, mb.sampler_logp, mb.resp_mask, step, s.triage)
         terms["repair_loss"] = rep_sum / jnp.maximum(rep_count, 1.0)
         loss = loss + terms["repair_loss"]
+    if s.aux_coef:
+        # A per-micro-batch mean: weight it by this micro-batch's share of the mini-batch tokens.
+        terms["moe_aux_loss"] = s.aux_coef * aux * jnp.sum(mb.loss_mask) / tokens
+        loss = loss + terms["moe_aux_loss"]
     return loss, (terms, m)
 
 
 class Learner:
     """Holds the sharded parameters and optimizer state; compiles recompute and update once per shape."""
 
-    def __init__(self, model: nnx.Module, c: ml_collections.ConfigDict, *, mesh=None, total_steps: int = 1,
-                 vocab_size: int):
+    def __init__(self, model: nnx.Module, c: ml_collections.ConfigDict, *, mesh=None, total_steps: int = 1):
         self.cfg = c
         self.mesh = mesh if mesh is not None else shd.make_mesh(c.mesh.to_dict())
         self.rules = shd.DEFAULT_RULES
         self.policy = PrecisionPolicy.from_spec(c.learner.precision, backend=c.learner.backend)
-        self.settings = LossSettings.from_config(c, vocab_size)
+        self.settings = LossSettings.from_config(c, model.cfg)
         self.micro = c.rl.micro_batch
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.param_shardings = shd.state_shardings(params, self.mesh, self.rules)
@@ -181,9 +186,10 @@ class Learner:
 
         def one(args):
             ids, am = args
-            return response_logprobs(model, ids, am, resp_len, policy=self.policy,
-                                     temperature=self.settings.temperature, vocab_chunk=self.settings.vocab_chunk,
-                                     return_entropy=True)
+            logp, ent, _ = response_logprobs(model, ids, am, resp_len, policy=self.policy,
+                                             temperature=self.settings.temperature,
+                                             vocab_chunk=self.settings.vocab_chunk)
+            return logp, ent
 
         ids = input_ids.reshape(k, n // k, -1)
         am = attn_mask.reshape(k, n // k, -1)
@@ -206,10 +212,8 @@ class Learner:
         _, denom = grpo.aggregate(jnp.zeros_like(mb_all.loss_mask), mb_all.loss_mask, s.agg,
                                   max_len=mb_all.resp_len)
         denom = jnp.maximum(denom, 1.0)
-        rep_count = jnp.float32(0.0)
-        if s.triage is not None:
-            _, rep_count = repair_loss_sum(mb_all.adv, mb_all.sampler_logp, mb_all.sampler_logp, mb_all.resp_mask,
-                                           step, s.triage)
+        # The repair term averages over positive-advantage responses holding a real token (rl_math.md, eq. 5).
+        rep_count = jnp.sum(((mb_all.adv > 0) & (jnp.sum(mb_all.resp_mask, axis=1) > 0)).astype(F32))
         batch_spec = shd.logical_to_mesh(("batch",), self.rules, self.mesh)
         micro = jax.tree.map(
             lambda x: jax.lax.with_sharding_constraint(
@@ -223,7 +227,8 @@ class Learner:
         def grad_of(mb):
             def f(p):
                 model = nnx.merge(self.graphdef, p)
-                loss, (terms, metrics) = micro_loss(model, mb, step, denom, rep_count, s, self.policy)
+                loss, (terms, metrics) = micro_loss(model, mb, step, denom, rep_count, total_tokens, s,
+                                                    self.policy)
                 return loss, (terms, metrics)
 
             return jax.value_and_grad(f, has_aux=True)(params)

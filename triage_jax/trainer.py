@@ -92,7 +92,7 @@ class Trainer:
 
         model = self._initial_model()
         self.n_mini = self.N // c.rl.mini_batch
-        self.learner = Learner(model, c, total_steps=c.train.steps * self.n_mini, vocab_size=self.model_cfg.vocab_size)
+        self.learner = Learner(model, c, total_steps=c.train.steps * self.n_mini)
         self.ref_params = (jax.tree.map(jnp.copy, self.learner.params) if c.rl.kl_coef else None)
         self.sampler_policy = sampler.sampler_policy(c.sampler.precision, c.sampler.kv_cache)
         self.scfg = sampler.SamplingConfig(temperature=c.sampler.temperature, top_p=c.sampler.top_p,
@@ -193,7 +193,7 @@ class Trainer:
             pad = {k: np.zeros((fill,) + v.shape[1:], v.dtype) for k, v in cat.items()}
             pad["ids"][:] = self.tok.pad_id
             cat = {k: np.concatenate([cat[k], pad[k]]) for k in cat}
-        adv = np.asarray(grpo.group_advantages(cat["rewards"], self.G, std_normalize=c.rl.std_normalize))
+        adv = np.array(grpo.group_advantages(cat["rewards"], self.G, std_normalize=c.rl.std_normalize))
         adv[n_real:] = 0.0
         rewards = np.concatenate(all_rewards)
         lengths = np.concatenate(all_lengths)
@@ -318,6 +318,10 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(reward=f"{m['reward/mean']:+.3f}", acc=f"{m['reward/accuracy']:.2f}",
                                     dlt=f"{m['mismatch/mean_abs_delta']:.4f}")
+                else:
+                    log.info("step %d/%d reward %+.3f acc %.2f |delta| %.4f loss %.4f (%.1fs)", self.step, end,
+                             m["reward/mean"], m["reward/accuracy"], m["mismatch/mean_abs_delta"],
+                             m["learner/loss"], m["time/step"])
                 if self.step % c.train.ckpt_every == 0 or self.step == end or self._stop_signal is not None:
                     self.save()
                 if self._stop_signal is not None:
