@@ -278,7 +278,8 @@ def _prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_l
     batch = RolloutBatch(input_ids=input_ids, attn_mask=attn_mask, resp_mask=resp_mask, adv=adv,
                          sampler_logp=sampler_logp, old_logp=old_logp, ref_logp=ref_logp, weights=out.weights,
                          loss_mask=out.mask.astype(F32))
-    diag = diagnostics.mismatch_metrics(adv, delta, resp_mask, tcfg, weights=out.weights)
+    # b_amp / b_con use the applied weights; for TRIAGE they are its alpha, which the fast path recomputes.
+    diag = diagnostics.mismatch_metrics(adv, delta, resp_mask, tcfg, weights=None if name == "triage" else out.weights)
     metrics = {**{f"mismatch/{k}": v for k, v in diag.items()},
                **{f"correction/{k}": v for k, v in out.metrics.items()}}
     return batch, metrics, delta

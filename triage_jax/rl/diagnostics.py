@@ -1,0 +1,280 @@
+"""Mismatch diagnostics (spec rl_math.md), cheap enough to log every step; one jit-able function of (adv, delta, mask).
+
+`mismatch_metrics` returns float32 scalars under these names (N responses, T positions, masked to real tokens):
+
+- `mean_abs_delta`, `frac_small` (|delta| < 0.05), `delta_q05`, `delta_q50`, `delta_q95` (exact masked quantiles,
+  numpy's 'linear' interpolation, by a two-pass radix select; delta must be finite on real tokens),
+  `kl_k1` = mean(-delta), `kl_k3` = mean(rho - 1 - delta), `chi2_token` = mean(rho^2) - 1 with rho = exp(delta)
+  (evaluated through expm1(delta) so that small mismatches keep their precision).
+- Quadrants, strict signs (a token with A == 0 or delta == 0 is in none): token fractions
+  `quad_tok_Apos_dpos`, `quad_tok_Apos_dneg`, `quad_tok_Aneg_dpos`, `quad_tok_Aneg_dneg` and |A|-weighted mass
+  shares `quad_mass_Apos_dpos`, `quad_mass_Apos_dneg`, `quad_mass_Aneg_dpos`, `quad_mass_Aneg_dneg`.
+- `rho_asym` = |A|-mass of A-d- / that of A+d+.
+- `tail_freq` (delta < -tau_tail), `tail_top5_share`, `tail_concentration` (= share / 0.05), `tail_persistence`,
+  `hidden_by_mean`.
+- `energy` = 1/2 sum m*delta^2, `b_amp`, `b_con` with g = weights * A (weights default: TRIAGE alpha of `cfg`).
+- `n_tokens`, `n_segments` (segments holding a real token), for reference.
+
+A metric whose denominator is empty is NaN. A segment is tail-dense when f_S >= 2 * tail_freq and it holds at
+least one tail token (so a batch without tail tokens has no dense segment rather than only dense ones).
+`delta_energy` and `delta_histogram` are the trainer's helpers for `delta_energy_realized` and histogram logging.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triage_jax.rl._checks import F32, check_float, check_mask, safe_div
+from triage_jax.rl.triage import (TriageConfig, _check_adv_any, _gate, _stats_from_sums, core_sums,
+                                  segment_counts, segment_weights)
+
+SMALL_DELTA = 0.05
+TOP_SEGMENT_FRACTION = 0.05
+QUANTILES = (0.05, 0.50, 0.95)
+QUADRANTS = ("Apos_dpos", "Apos_dneg", "Aneg_dpos", "Aneg_dneg")
+
+# Default histogram edges for delta: 0 and +-10^k for k in [-4, 2] at 4 edges per decade.
+DELTA_HIST_EDGES = np.concatenate(
+    [-np.logspace(2, -4, 25), [0.0], np.logspace(-4, 2, 25)]).astype(np.float32)
+
+
+# -------------------------------------------------------------------------------------------- masked quantiles
+
+_RADIX = 16
+_BINS = 1 << _RADIX
+
+
+def _sortable_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is the float order (negatives flipped, positives get the top bit)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _key_to_float(k: jax.Array) -> jax.Array:
+    bits = jnp.where(k >> 31 == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def _select_bin(hist: jax.Array, rank: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For hist [B] (B = 2^16) and 0-based ranks [R]: the bin holding each rank and the rank inside that bin.
+
+    Two-level search (256 coarse bins of 256) instead of a 65536-long cumsum, which is slow on CPU.
+    """
+    h2 = hist.reshape(256, 256)
+    coarse = h2.sum(axis=1)
+    ccum = jnp.cumsum(coarse)
+    c = jnp.sum(ccum[None, :] <= rank[:, None], axis=1)
+    r1 = rank - (ccum[c] - coarse[c])
+    rows = h2[c]  # [R, 256]
+    fcum = jnp.cumsum(rows, axis=1)
+    f = jnp.sum(fcum <= r1[:, None], axis=1)
+    below = jnp.take_along_axis(fcum - rows, f[:, None], axis=1)[:, 0]
+    return c * 256 + f, r1 - below
+
+
+def masked_order_stats(x: jax.Array, mask: jax.Array, ranks: jax.Array) -> jax.Array:
+    """Exact order statistics x_(r) (0-based, ascending) over the masked elements, by a two-pass 16-bit radix
+    select: two scatter-add histograms instead of a full sort. Ranks [R] must lie in [0, count)."""
+    key = _sortable_key(x.reshape(-1))
+    real = mask.reshape(-1) > 0
+    hi = (key >> _RADIX).astype(jnp.int32)
+    lo = (key & jnp.uint32(_BINS - 1)).astype(jnp.int32)
+    r = ranks.astype(jnp.int32)
+    n_r = r.shape[0]
+    # Padding gets an out-of-range index that the scatter drops.
+    b_hi, r_in = _select_bin(jnp.zeros(_BINS, jnp.int32).at[jnp.where(real, hi, _BINS)].add(1, mode="drop"), r)
+    # Second pass: each element feeds the low-bit histogram of the first target sharing its high bin (a short
+    # compare chain over the R targets); elements of no target are dropped.
+    slot = jnp.full(hi.shape, n_r, jnp.int32)
+    for j in reversed(range(n_r)):
+        slot = jnp.where(hi == b_hi[j], j, slot)
+    idx = jnp.where(real, slot * _BINS + lo, n_r * _BINS)
+    hist_lo = jnp.zeros(n_r * _BINS, jnp.int32).at[idx].add(1, mode="drop").reshape(n_r, _BINS)
+    first_slot = jnp.argmax(b_hi[None, :] == b_hi[:, None], axis=1)  # first target with the same high bin
+    b_lo = jax.vmap(lambda h, rr: _select_bin(h, rr[None])[0][0])(hist_lo[first_slot], r_in)
+    return _key_to_float((b_hi.astype(jnp.uint32) << _RADIX) | b_lo.astype(jnp.uint32))
+
+
+@functools.partial(jax.jit, static_argnames=("qs",))
+def masked_quantiles(x, mask, qs=QUANTILES) -> jax.Array:
+    """Quantiles of the masked elements of x (numpy 'linear' method); NaN for an empty mask. Returns [len(qs)]."""
+    x = check_float("x", x, tuple(range(1, 8)))
+    m = check_mask("mask", mask, x.shape)
+    return _quantiles(x, m, qs, jnp.sum(m > 0, dtype=jnp.int32))
+
+
+def _quantiles(x, m, qs, count):
+    pos = jnp.asarray(qs, F32) * (count - 1).astype(F32)
+    i0 = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, jnp.maximum(count - 1, 0))
+    i1 = jnp.minimum(i0 + 1, jnp.maximum(count - 1, 0))
+    v = masked_order_stats(x, m, jnp.concatenate([i0, i1]))
+    v0, v1 = v[: len(qs)], v[len(qs):]
+    t = pos - i0.astype(F32)
+    out = jnp.where(t >= 0.5, v1 - (v1 - v0) * (1.0 - t), v0 + (v1 - v0) * t)
+    return jnp.where(count > 0, out, jnp.nan)
+
+
+def _top_share(counts_seg: jax.Array, k: jax.Array, max_count: int) -> jax.Array:
+    """Sum of the k largest integer counts in [0, max_count], via a histogram of counts instead of a sort."""
+    c = counts_seg.reshape(-1).astype(jnp.int32)
+    hist = jnp.zeros(max_count + 1, jnp.int32).at[c].add(1, mode="drop")
+    values = jnp.arange(max_count, -1, -1)  # descending
+    h_desc = hist[::-1]
+    above = jnp.cumsum(h_desc) - h_desc  # segments with a larger count
+    take = jnp.clip(k - above, 0, h_desc)
+    return jnp.sum(take * values).astype(F32)
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    return x.astype(F32)
+
+
+def _sums(xs, axis) -> jax.Array:
+    """Sums of same-shaped arrays along `axis`, stacked: one reduction instead of len(xs) (each op costs a
+    dispatch, which dominates on arrays this small)."""
+    return jnp.stack([_f32(x) for x in xs]).sum(axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, weights=None) -> dict[str, jax.Array]:
+    """Every mismatch metric of the spec (names in the module docstring) for one batch; jit-able (cfg static).
+
+    `weights` [N,T] are the per-token weights applied to the loss, for b_amp / b_con; default TRIAGE's alpha.
+    Structure: a few passes over the tokens yield per-segment sums [N,S] and totals; everything else is computed
+    on those. Response-level adv [N] never needs a token-level A: each A-dependent sum is a per-response sum
+    times A_i, and TRIAGE's alpha follows from the segment sums.
+    """
+    delta_nt = jax.lax.stop_gradient(check_float("delta", delta, 2))
+    mask_nt = check_mask("mask", mask, delta_nt.shape)
+    adv = jax.lax.stop_gradient(_check_adv_any(adv, delta_nt.shape))
+    if weights is not None:
+        weights = jax.lax.stop_gradient(check_float("weights", weights, 2))
+        if weights.shape != delta_nt.shape:
+            raise ValueError(f"weights: shape {weights.shape} does not match delta shape {delta_nt.shape}")
+    L = cfg.segment_len
+    real = mask_nt > 0
+    d = jnp.where(real, delta_nt, 0.0)
+    row_adv = adv.ndim == 1
+
+    # Token passes. The core segment sums are the ones TRIAGE's gate computes (shared under one jit).
+    n_s, tail_s, pos_s, neg_s, sum_d_s, sneg_s = core_sums(delta_nt, mask_nt, cfg)
+    # rho - 1 = expm1(delta): kl_k3 = mean(rho - 1) - mean(delta) and chi2 = mean(2(rho - 1) + (rho - 1)^2) keep
+    # their precision for small delta; squares are dot products, so no squared array is written out.
+    em1 = jnp.expm1(d).reshape(-1)
+    flat_d = d.reshape(-1)
+    sum_em1, sum_em1_sq, d2 = jnp.sum(em1), jnp.dot(em1, em1), jnp.dot(flat_d, flat_d)
+    n_small = jnp.sum((real & (jnp.abs(d) < SMALL_DELTA)).astype(F32))
+    if row_adv:
+        a_i = adv
+        aneg_s = (a_i < 0)[:, None]
+        amp_tail_s = jnp.where(aneg_s, tail_s, 0)
+    else:
+        a = jnp.where(real, adv, 0.0)
+        abs_a = jnp.abs(a)
+        sel = [(a > 0) & (d > 0), (a > 0) & (d < 0), (a < 0) & (d > 0), (a < 0) & (d < 0)]
+        q_tot = _sums(sel + [jnp.where(s_, abs_a, 0.0) for s_ in sel] + [abs_a], axis=(1, 2))
+        (amp_tail_s,) = segment_counts([real & (d < -cfg.tau_tail) & (a < 0)], L)
+    if weights is not None or not row_adv:
+        w_nt = _gate(adv, delta_nt, mask_nt, cfg)[0] if weights is None else weights
+        dg = d * jnp.where(real, w_nt * (adv[:, None] if row_adv else adv), 0.0)
+        b_tot = _sums([jnp.where(dg > 0, dg, 0.0), jnp.where(dg < 0, -dg, 0.0)], axis=(1, 2))
+
+    # Segment level [N,S] -> per response [K,N].
+    stats = _stats_from_sums(n_s, sum_d_s, tail_s)  # as in _gate
+    w_s = segment_weights(stats, cfg)
+    valid = n_s > 0
+    rows = _sums([n_s, tail_s, pos_s, neg_s, sum_d_s, sneg_s, w_s * sneg_s, neg_s * (1.0 - w_s), valid,
+                  amp_tail_s], axis=2)
+    n_i, tail_i, pos_i, neg_i, sum_d_i, sneg_i, wsneg_i, nw_i, valid_i, amp_tail_i = rows
+    n_tok = jnp.sum(n_i)
+    tail_freq = safe_div(jnp.sum(tail_i), n_tok)
+    dense = valid & (tail_s > 0) & (_f32(tail_s) / jnp.maximum(_f32(n_s), 1.0) >= 2.0 * tail_freq)
+    pair = valid[:, :-1] & valid[:, 1:]
+    drows = _sums([dense[:, :-1] & pair, dense[:, :-1] & pair & dense[:, 1:]], axis=2) if dense.shape[1] > 1 \
+        else jnp.zeros((2, dense.shape[0]), F32)
+    dense_i = jnp.sum(_f32(dense), axis=1)
+
+    # Per response -> totals, in one reduction.
+    has_dense = dense_i > 0
+    hidden_i = has_dense & (jnp.abs(sum_d_i / jnp.maximum(n_i, 1.0)) < SMALL_DELTA)
+    per_row = [amp_tail_i, valid_i, dense_i, drows[0], drows[1], has_dense, hidden_i]
+    if row_adv:
+        apos, aneg, abs_ai = a_i > 0, a_i < 0, jnp.abs(a_i)
+        cnt = [jnp.where(apos, pos_i, 0.0), jnp.where(apos, neg_i, 0.0), jnp.where(aneg, pos_i, 0.0),
+               jnp.where(aneg, neg_i, 0.0)]
+        per_row += cnt + [abs_ai * c for c in cnt] + [abs_ai * n_i]
+        if weights is None:
+            # alpha = w / wbar_i with wbar_i = (n_i - sum_S n_amp_S (1 - w_S)) / n_i; w = 1 off the A-d- region.
+            wbar = (n_i - jnp.where(aneg, nw_i, 0.0)) / jnp.maximum(n_i, 1.0)
+            inv_wbar = jnp.where(n_i > 0, 1.0 / jnp.where(n_i > 0, wbar, 1.0), 0.0)
+            spos_i = sum_d_i - sneg_i
+            amp_i = jnp.where(apos, a_i * spos_i, 0.0) + jnp.where(aneg, a_i * wsneg_i, 0.0)
+            con_i = jnp.where(apos, -a_i * sneg_i, 0.0) + jnp.where(aneg, -a_i * spos_i, 0.0)
+            per_row += [inv_wbar * amp_i, inv_wbar * con_i]
+    t = _sums(per_row, axis=1)
+    amp_tail_tot, n_valid, n_dense, first_dense, both_dense, n_has_dense, n_hidden = (t[i] for i in range(7))
+    if row_adv:
+        q_tot = t[7:16]
+        if weights is None:
+            b_tot = t[16:18]
+
+    out = {"n_tokens": n_tok, "n_segments": n_valid}
+    out["mean_abs_delta"] = safe_div(jnp.sum(sum_d_i) - 2.0 * jnp.sum(sneg_i), n_tok)
+    out["frac_small"] = safe_div(n_small, n_tok)
+    q = _quantiles(delta_nt, mask_nt, QUANTILES, jnp.sum(n_s))
+    out["delta_q05"], out["delta_q50"], out["delta_q95"] = q[0], q[1], q[2]
+    out["kl_k1"] = safe_div(-jnp.sum(sum_d_i), n_tok)
+    out["kl_k3"] = safe_div(sum_em1 - jnp.sum(sum_d_i), n_tok)
+    out["chi2_token"] = safe_div(2.0 * sum_em1 + sum_em1_sq, n_tok)
+    for j, k in enumerate(QUADRANTS):
+        out[f"quad_tok_{k}"] = safe_div(q_tot[j], n_tok)
+        out[f"quad_mass_{k}"] = safe_div(q_tot[4 + j], q_tot[8])
+    out["rho_asym"] = safe_div(q_tot[7], q_tot[4])
+    out["tail_freq"] = tail_freq
+    k_top = (n_valid.astype(jnp.int32) + 19) // 20  # ceil(0.05 * segments), in integers
+    share = safe_div(_top_share(amp_tail_s, k_top, L), amp_tail_tot)
+    out["tail_top5_share"] = share
+    out["tail_concentration"] = share / TOP_SEGMENT_FRACTION
+    out["tail_persistence"] = safe_div(safe_div(both_dense, first_dense), safe_div(n_dense, n_valid))
+    out["hidden_by_mean"] = safe_div(n_hidden, n_has_dense)
+    out["energy"] = 0.5 * d2
+    out["b_amp"], out["b_con"] = b_tot[0], b_tot[1]
+    return out
+
+
+@jax.jit
+def delta_energy(delta, mask) -> jax.Array:
+    """D = 1/2 sum m*delta^2. `delta_energy_realized` = delta_energy(after) - delta_energy(before)."""
+    delta_nt = check_float("delta", delta, 2)
+    mask_nt = check_mask("mask", mask, delta_nt.shape)
+    d = jnp.where(mask_nt > 0, delta_nt, 0.0)
+    return 0.5 * jnp.sum(d * d)
+
+
+@jax.jit
+def delta_energy_realized(delta_before, delta_after, mask) -> jax.Array:
+    """D after the update minus D before, on the same tokens (delta_after from a second learner forward pass)."""
+    return delta_energy(delta_after, mask) - delta_energy(delta_before, mask)
+
+
+def delta_histogram(values, mask, edges=DELTA_HIST_EDGES) -> jax.Array:
+    """Counts of the masked values in the bins cut by sorted `edges` [E]: int32 [E + 1], bin j holding
+    edges[j-1] <= v < edges[j] (bin 0 and bin E are the under/overflow bins)."""
+    v = check_float("values", values, tuple(range(1, 8)))
+    m = check_mask("mask", mask, v.shape)
+    e = np.asarray(edges, np.float32)
+    if e.ndim != 1 or e.size == 0 or np.any(np.diff(e) <= 0):
+        raise ValueError(f"edges: expected a strictly increasing 1-D array, got shape {e.shape}")
+    return _histogram(v, m, tuple(float(x) for x in e))
+
+
+@functools.partial(jax.jit, static_argnames=("edges",))
+def _histogram(v, m, edges):
+    e = jnp.asarray(edges, F32)
+    # An unrolled binary search: about 5 ms per million values on this CPU ("compare_all" is 40x slower).
+    idx = jnp.searchsorted(e, v.reshape(-1), side="right", method="scan_unrolled")
+    return jnp.zeros(e.size + 1, jnp.int32).at[idx].add((m.reshape(-1) > 0).astype(jnp.int32))
