@@ -8,4 +8,7 @@ def get_config():
     c.run_dir = "runs/tiny_moe"
     c.model.preset = "tiny_moe"
     c.warmup.cache_dir = "runs/warmup_cache_moe"
+    c.data.levels = (1, 3)
+    c.warmup.steps = 200
+    c.rl.triage.k_rep = 20
     return c

@@ -350,12 +350,15 @@ class Trainer:
         keys = ["reward/mean", "reward/accuracy", "response/length_mean", "mismatch/mean_abs_delta",
                 "mismatch/rho_asym", "mismatch/delta_q05", "mismatch/tail_persistence", "entropy",
                 "learner/loss", "learner/repair_loss"]
+        def window_mean(xs):
+            xs = [x for x in xs if np.isfinite(x)]  # NaN = an empty denominator that step (spec), not a zero
+            return float(np.mean(xs)) if xs else float("nan")
+
         rows = {}
         for key in keys:
             if key in h[0]:
-                first = float(np.nanmean([x[key] for x in h[:k]]))
-                last = float(np.nanmean([x[key] for x in h[-k:]]))
-                rows[key] = {"start": first, "end": last}
+                rows[key] = {"start": window_mean([x[key] for x in h[:k]]),
+                             "end": window_mean([x[key] for x in h[-k:]])}
         times = {t: float(np.mean([x[t] for x in h[1:] or h])) for t in h[0] if t.startswith("time/")}
         out = {"steps": self.step, "window": k, "metrics": rows, "mean_time_s": times}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

@@ -54,6 +54,14 @@ def sft_batch(source: SyntheticMathSource, tok, indices, seq_len: int):
     return ids, attn, loss
 
 
+def sft_seq_len(source: SyntheticMathSource, tok, limit: int, sample: int = 2048) -> int:
+    """Padded SFT length: the longest [prompt | solution <eos>] of a sample, rounded up to 8, at most `limit`
+    (padding to the sampler's full window would waste most of each step on pads)."""
+    longest = max(len(tok.encode_prompt(p)) + len(tok.encode(s)) + 1
+                  for p, s in (source.sft_pair(i) for i in range(min(sample, len(source)))))
+    return min(limit, -(-longest // 8) * 8)
+
+
 def train_sft(model: nnx.Module, source: SyntheticMathSource, tok, *, steps: int, batch_size: int, lr: float,
               seq_len: int, seed: int, progress: bool = False) -> list[float]:
     """Cross-entropy on reference solutions (in place on `model`); returns the loss curve."""
@@ -98,7 +106,7 @@ def warm_start(c: ml_collections.ConfigDict, model_cfg, tok, source: SyntheticMa
         log.info("warm-up: reusing %s", path)
         return models.from_pretrained(path, dtype=c.model.dtype)
     model = models.Qwen3(model_cfg, rngs=nnx.Rngs(c.seed))
-    seq_len = c.sampler.max_prompt_len + c.sampler.max_new_tokens
+    seq_len = sft_seq_len(source, tok, c.sampler.max_prompt_len + c.sampler.max_new_tokens)
     losses = train_sft(model, source, tok, steps=c.warmup.steps, batch_size=c.warmup.batch_size, lr=c.warmup.lr,
                        seq_len=seq_len, seed=c.seed, progress=progress)
     log.info("warm-up: SFT loss %.3f -> %.3f over %d steps", losses[0], losses[-1], len(losses))
