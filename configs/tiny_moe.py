@@ -9,6 +9,7 @@ def get_config():
     c.model.preset = "tiny_moe"
     c.warmup.cache_dir = "runs/warmup_cache_moe"
     c.data.levels = (1, 3)
-    c.warmup.steps = 200
+    c.warmup.steps = 120
     c.rl.triage.k_rep = 20
+    c.rl.triage.segment_len = 8
     return c

@@ -3,6 +3,10 @@
 Every other backend is checked against these functions. All arithmetic is float32 and in the spec's order: a
 different order (dividing instead of multiplying by a reciprocal, `(a/6)*S` instead of `a*(S/6)`) changes the
 rounding of real inputs.
+
+Speed note: XLA:CPU writes 4-bit arrays (float4_e2m1fn, uint4) about 10x slower than a memory copy, so the E2M1
+rounding is done in float32 arithmetic (power-of-two steps and a round-half-even, bit-identical to the cast) and
+NVFP4 tensors are stored packed, two codes per byte, as on the hardware; `.data` unpacks to float4 on demand.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from triage_jax.quant.debug import report_nonfinite
 
 F32 = jnp.float32
 FLT_MAX = np.float32(np.finfo(np.float32).max)
@@ -28,10 +34,12 @@ Scaling = Literal["tensor", "row", "tile2d"]
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _check_input(x: jax.Array, block: int, what: str, min_rank: int = 1) -> None:
-    if not hasattr(x, "dtype") or x.dtype not in _FLOAT_DTYPES:
+def _check_input(x, block: int, what: str, min_rank: int = 1) -> None:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or dtype not in _FLOAT_DTYPES:
         raise TypeError(
-            f"{what}: unsupported input dtype {getattr(x, 'dtype', type(x))}; expected float32, bfloat16 or float16"
+            f"{what}: unsupported input dtype {dtype or type(x).__name__} (shape {getattr(x, 'shape', None)}); "
+            "expected float32, bfloat16 or float16"
         )
     if x.ndim < min_rank:
         raise ValueError(f"{what}: input of shape {x.shape} has rank {x.ndim}; need rank >= {min_rank}")
@@ -50,30 +58,76 @@ def _nan_to_zero_abs(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(x), 0.0, jnp.abs(x))
 
 
-def _amax(x: jax.Array, scaling: Scaling) -> jax.Array:
-    a = _nan_to_zero_abs(x)
-    if scaling == "row":
-        return jnp.max(a, axis=-1, keepdims=True)
-    return jnp.max(a)
+# ---------------------------------------------------------------------------------------------------------------
+# E2M1 in float32 arithmetic. On [0, 2) the grid step is 0.5, on [2, 4) 1, on [4, 6] 2; within a binade rounding
+# to a multiple of the step with ties to an even multiple is exactly the cast's round-to-nearest-even, and the
+# even multiple is the even code (grid index = multiple + 0, 2 or 4).
 
 
-def e2m1_cast(y: jax.Array) -> jax.Array:
-    """Round-to-nearest-even cast of float32 values to E2M1 with TE's saturation (NaN -> +6)."""
-    y = jnp.where(jnp.isnan(y), E2M1_MAX, jnp.clip(y, -E2M1_MAX, E2M1_MAX))
-    return y.astype(jnp.float4_e2m1fn)
+def _e2m1_saturate(y: jax.Array) -> jax.Array:
+    """TE's saturating cast input: NaN -> +6, clip to [-6, 6]."""
+    y = y.astype(F32)
+    return jnp.where(jnp.isnan(y), jnp.float32(E2M1_MAX), jnp.clip(y, -E2M1_MAX, E2M1_MAX))
 
 
-def e2m1_cast_stochastic(y: jax.Array, key: jax.Array) -> jax.Array:
-    """Stochastic rounding to E2M1: up with probability (|y| - lo) / (hi - lo), unbiased on [-6, 6]."""
-    y = jnp.where(jnp.isnan(y), E2M1_MAX, jnp.clip(y, -E2M1_MAX, E2M1_MAX)).astype(F32)
-    grid = jnp.asarray(E2M1_GRID)
-    mag = jnp.abs(y)
-    hi_idx = jnp.clip(jnp.searchsorted(grid, mag, side="left"), 1, len(E2M1_GRID) - 1)
-    lo, hi = grid[hi_idx - 1], grid[hi_idx]
-    p_up = (mag - lo) / (hi - lo)
+def _e2m1_binade(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(1/step, code offset) for magnitudes a in [0, 6]."""
+    inv_step = jnp.where(a >= 4.0, jnp.float32(0.5), jnp.where(a >= 2.0, jnp.float32(1.0), jnp.float32(2.0)))
+    offset = jnp.where(a >= 4.0, jnp.float32(4.0), jnp.where(a >= 2.0, jnp.float32(2.0), jnp.float32(0.0)))
+    return inv_step, offset
+
+
+def _codes(y: jax.Array, multiple: jax.Array, offset: jax.Array) -> jax.Array:
+    sign = jnp.signbit(y).astype(jnp.uint8) << 3
+    return (multiple + offset).astype(jnp.uint8) | sign
+
+
+def e2m1_rne_codes(y: jax.Array) -> jax.Array:
+    """E2M1 codes (uint8, sign << 3 | index) of the saturating round-to-nearest-even cast of y (NaN -> +6)."""
+    y = _e2m1_saturate(y)
+    a = jnp.abs(y)
+    inv_step, offset = _e2m1_binade(a)
+    return _codes(y, jnp.round(a * inv_step), offset)  # jnp.round rounds half to even
+
+
+def e2m1_sr_codes(y: jax.Array, key: jax.Array) -> jax.Array:
+    """Stochastic rounding to E2M1 codes: only to the two neighbours, up with probability (|y| - lo) / step."""
+    y = _e2m1_saturate(y)
+    a = jnp.abs(y)
+    inv_step, offset = _e2m1_binade(a)
+    scaled = a * inv_step  # exact: inv_step is a power of two
+    lo = jnp.floor(scaled)
     u = jax.random.uniform(key, y.shape, F32)
-    out = jnp.where(u < p_up, hi, lo)
-    return jnp.copysign(out, y).astype(jnp.float4_e2m1fn)
+    return _codes(y, lo + (u < scaled - lo).astype(F32), offset)
+
+
+def e2m1_decode(codes: jax.Array) -> jax.Array:
+    """Float32 values of E2M1 codes (uint8)."""
+    idx = (codes & 0x7).astype(F32)
+    mag = jnp.where(idx < 4.0, idx * 0.5, jnp.where(idx < 6.0, idx - 2.0, (idx - 4.0) * 2.0))
+    return jnp.where((codes & 0x8) != 0, -mag, mag)
+
+
+def codes_to_fp4(codes: jax.Array) -> jax.Array:
+    """uint8 E2M1 codes -> float4_e2m1fn (same bits)."""
+    return jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
+
+
+def fp4_to_codes(data: jax.Array) -> jax.Array:
+    """float4_e2m1fn -> uint8 E2M1 codes (same bits)."""
+    return jax.lax.bitcast_convert_type(data, jnp.uint4).astype(jnp.uint8)
+
+
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """uint8 codes [..., K] -> uint8 [..., K/2]: element 2i in bits 0-3, element 2i+1 in bits 4-7."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    """uint8 [..., K/2] -> uint8 codes [..., K] (inverse of pack_codes)."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def e4m3_cast(y: jax.Array) -> jax.Array:
@@ -81,30 +135,114 @@ def e4m3_cast(y: jax.Array) -> jax.Array:
     return jnp.clip(y, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
+def e4m3_round_nonneg(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Round-to-nearest-even of float32 v in [0, 448] to E4M3 in integer arithmetic: (float32 value, uint8 code).
+
+    Bit-identical to `v.astype(float8_e4m3fn)` there, but it vectorizes: XLA:CPU converts float8 element by
+    element in software, and a fused consumer would redo that conversion for every element of a block.
+    """
+    v = v.astype(F32)
+    sub = jnp.round(v * jnp.float32(2.0**9))  # subnormal step 2^-9; 8 carries into the first normal (code 0x08)
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    r = (bits + jnp.uint32(0x7FFFF) + ((bits >> 20) & 1)) & jnp.uint32(0xFFF00000)
+    normal = v >= jnp.float32(2.0**-6)
+    value = jnp.where(normal, jax.lax.bitcast_convert_type(r, F32), sub * jnp.float32(2.0**-9))
+    code = jnp.where(normal, (((r >> 23) - 120) << 3) | ((r >> 20) & 7), sub.astype(jnp.uint32))
+    return value, code.astype(jnp.uint8)
+
+
+def e4m3_decode_nonneg(code: jax.Array) -> jax.Array:
+    """Float32 value of a non-negative E4M3 code (uint8 < 0x7F) in integer arithmetic (see e4m3_round_nonneg)."""
+    c = code.astype(jnp.uint32)
+    e, m = (c >> 3) & 0xF, c & 7
+    normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), F32)
+    return jnp.where(e == 0, m.astype(F32) * jnp.float32(2.0**-9), normal)
+
+
+def _bcast_factor(g: jax.Array, ndim: int) -> jax.Array:
+    """Right-pad g's shape with ones to rank ndim (scalar, per-row [..., 1] or batched per-tensor [E])."""
+    return g.reshape(g.shape + (1,) * (ndim - g.ndim))
+
+
 @struct.dataclass
 class NVFP4Tensor:
-    """NVFP4 tensor: E2M1 `data` (x's shape), E4M3 `scale` [..., K/16], float32 global `amax`."""
+    """NVFP4 tensor: packed E2M1 codes (uint8 [..., K/2]), E4M3 `scale` [..., K/16], float32 global `amax`.
 
-    data: jax.Array
+    `.data` gives the float4_e2m1fn elements in x's shape. `amax` is a scalar ("tensor", "tile2d"), [..., 1]
+    ("row"), or carries leading batch dims when quantized under vmap (per-expert weights).
+    """
+
+    packed: jax.Array
     scale: jax.Array
     amax: jax.Array
     scaling: str = struct.field(pytree_node=False, default="tensor")
 
+    @classmethod
+    def from_data(cls, data: jax.Array, scale: jax.Array, amax: jax.Array, scaling: str = "tensor") -> "NVFP4Tensor":
+        return cls(packed=pack_fp4(data), scale=scale, amax=amax, scaling=scaling)
+
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.data.shape
+        return self.packed.shape[:-1] + (self.packed.shape[-1] * 2,)
+
+    @property
+    def codes(self) -> jax.Array:
+        """uint8 E2M1 codes [..., K]."""
+        return unpack_codes(self.packed)
+
+    @property
+    def data(self) -> jax.Array:
+        """float4_e2m1fn elements [..., K]."""
+        return codes_to_fp4(self.codes)
 
     def global_decode_scale(self) -> jax.Array:
-        return jnp.where(self.amax == 0, jnp.float32(1.0), self.amax.astype(F32) / NVFP4_RANGE)
+        """amax / 2688 (1 where amax == 0): the float32 factor the GEMM applies to its output."""
+        return jnp.where(self.amax == 0, jnp.float32(1.0), self.amax.astype(F32) / jnp.float32(NVFP4_RANGE))
+
+    def decoded_scale(self) -> jax.Array:
+        """The E4M3 block scales as float32 [..., K/16] (decoded with integer ops: see e4m3_round_nonneg)."""
+        return e4m3_decode_nonneg(jax.lax.bitcast_convert_type(self.scale, jnp.uint8))
+
+    def block_values(self, order: str = "natural") -> jax.Array:
+        """e2m1(q) * float(s) in float32 [..., K]: exact, and exactly representable in bfloat16.
+
+        order="split" lays each 16-block out as its 8 even then its 8 odd elements (the nibble order of the packed
+        bytes). A dot whose operands share that K order is unchanged, and XLA:CPU decodes it ~5x faster than the
+        interleaved natural order.
+        """
+        *lead, half = self.packed.shape
+        nb = half * 2 // NVFP4_BLOCK
+        p = self.packed.reshape(*lead, nb, NVFP4_BLOCK // 2)
+        s = self.decoded_scale()[..., None]
+        lo, hi = e2m1_decode(p & 0xF) * s, e2m1_decode(p >> 4) * s  # [..., nb, 8]
+        v = jnp.stack([lo, hi], axis=-2 if order == "split" else -1)
+        return v.reshape(*lead, half * 2)
+
+    def block_values_t(self, order: str = "natural") -> jax.Array:
+        """block_values(order) transposed, [..., K, N], decoded in that layout (the GEMM's K-major weight operand).
+
+        For a weight quantized by quantize_nvfp4_kn the two transposes cancel and the codes are read in the
+        order they were written.
+        """
+        p = jnp.swapaxes(self.packed, -1, -2)  # [..., K/2, N]
+        s = jnp.swapaxes(self.decoded_scale(), -1, -2)[..., None, :]  # [..., K/16, 1, N]
+        *lead, half, n = p.shape
+        nb = half * 2 // NVFP4_BLOCK
+        p = p.reshape(*lead, nb, NVFP4_BLOCK // 2, n)
+        lo, hi = e2m1_decode(p & 0xF) * s, e2m1_decode(p >> 4) * s  # [..., nb, 8, N]
+        v = jnp.stack([lo, hi], axis=-3 if order == "split" else -2)
+        return v.reshape(*lead, half * 2, n)
 
     def dequantize(self, dtype=F32) -> jax.Array:
-        q = _blocks(self.data.astype(F32), NVFP4_BLOCK)
-        s = self.scale.astype(F32)[..., None]
+        """e2m1(q) * float(s) * (amax / 2688), left to right."""
+        q = _blocks(self.block_values(), NVFP4_BLOCK)
         g = self.global_decode_scale()
         if self.scaling == "row":
-            g = g[..., None]
-        # e2m1(q) * float(s) * (amax / 2688), left to right.
-        return ((q * s) * g).reshape(self.data.shape).astype(dtype)
+            g = g[..., 0]  # [..., 1] -> [...]: one factor per row
+            g = g.reshape(g.shape + (1, 1))
+        else:
+            g = _bcast_factor(g, q.ndim)
+        return (q * g).reshape(self.shape).astype(dtype)
 
 
 @struct.dataclass
@@ -136,7 +274,8 @@ class FP8Tensor:
         return self.data.shape
 
     def dequantize(self, dtype=F32) -> jax.Array:
-        return (self.data.astype(F32) * self.scale.astype(F32)).astype(dtype)
+        s = _bcast_factor(self.scale.astype(F32), self.data.ndim)
+        return (self.data.astype(F32) * s).astype(dtype)
 
 
 def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
@@ -146,15 +285,68 @@ def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
     return jnp.where((amax == 0) | (s == 0), jnp.float32(1.0), s)
 
 
-def _nvfp4_block_amax(x: jax.Array, scaling: Scaling) -> jax.Array:
+def nvfp4_block_amax(x: jax.Array, scaling: Scaling) -> jax.Array:
     """Per-16-block amax [..., K/16]; for 2D tiles the amax of each 16x16 tile, repeated over its 16 rows."""
-    a = _nan_to_zero_abs(x)
-    ba = jnp.max(_blocks(a, NVFP4_BLOCK), axis=-1)
+    ba = jnp.max(_blocks(_nan_to_zero_abs(x), NVFP4_BLOCK), axis=-1)
     if scaling != "tile2d":
         return ba
     m = x.shape[-2]
     tiles = ba.reshape(*ba.shape[:-2], m // NVFP4_BLOCK, NVFP4_BLOCK, ba.shape[-1])
     return jnp.broadcast_to(jnp.max(tiles, axis=-2, keepdims=True), tiles.shape).reshape(ba.shape)
+
+
+def amax_from_blocks(ba: jax.Array, scaling: Scaling) -> jax.Array:
+    """The global amax from the block amaxes (one pass over x fewer than reducing x again)."""
+    # max(ba, 0) == ba; it stops XLA from merging the two reductions into one over |x|, which would then
+    # materialize |x| in float32 for its two consumers.
+    ba = jnp.maximum(ba, jnp.float32(0.0))
+    return jnp.max(ba, axis=-1, keepdims=True) if scaling == "row" else jnp.max(ba)
+
+
+def nvfp4_encode_blocks(
+    xb: jax.Array, ba: jax.Array, s_enc: jax.Array, s_dec: jax.Array, sr_key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The per-block core shared by every NVFP4 backend: blocks [..., nb, 16] -> (packed codes, E4M3 scales).
+
+    ba: block amax [..., nb]; s_enc, s_dec: global encode / decode scales broadcastable to ba.
+    """
+    # TE folds 1/6 into S first: ba * (S * (1/6)).
+    scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
+    scale = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
+    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)
+    # Even and odd elements are rounded apart and or-ed into bytes: XLA:CPU vectorizes this form (the
+    # reshape-to-pairs form runs ~15x slower).
+    y_even, y_odd = xb[..., 0::2] * inv[..., None], xb[..., 1::2] * inv[..., None]
+    if sr_key is None:
+        lo, hi = e2m1_rne_codes(y_even), e2m1_rne_codes(y_odd)
+    else:
+        k_even, k_odd = jax.random.split(sr_key)
+        lo, hi = e2m1_sr_codes(y_even, k_even), e2m1_sr_codes(y_odd, k_odd)
+    return (lo | (hi << 4)).reshape(*xb.shape[:-2], xb.shape[-2] * (NVFP4_BLOCK // 2)), scale
+
+
+def nvfp4_prepare(
+    x: jax.Array, scaling: Scaling = "tensor", amax: jax.Array | float | None = None, what: str = "quantize_nvfp4"
+) -> tuple[jax.Array, jax.Array]:
+    """Validate x and scaling, and return (x as float32, the given amax checked against the scaling, or None)."""
+    if scaling not in ("tensor", "row", "tile2d"):
+        raise ValueError(f"{what}: unknown scaling {scaling!r}; expected 'tensor', 'row' or 'tile2d'")
+    _check_input(x, NVFP4_BLOCK, what, min_rank=2 if scaling == "tile2d" else 1)
+    if scaling == "tile2d" and x.shape[-2] % NVFP4_BLOCK:
+        raise ValueError(
+            f"{what}(scaling='tile2d'): second-to-last dim of shape {x.shape} is {x.shape[-2]}, "
+            f"not a multiple of {NVFP4_BLOCK}"
+        )
+    x = x.astype(F32)
+    if amax is None:
+        return x, None
+    amax = jnp.asarray(amax, F32)
+    want = x.shape[:-1] + (1,) if scaling == "row" else ()
+    if scaling == "row" and amax.ndim == 0:
+        amax = jnp.broadcast_to(amax, want)
+    if amax.shape != want:
+        raise ValueError(f"{what}: amax of shape {amax.shape} for input {x.shape}; expected {want}")
+    return x, amax
 
 
 def quantize_nvfp4(
@@ -163,40 +355,125 @@ def quantize_nvfp4(
     scaling: Scaling = "tensor",
     amax: jax.Array | float | None = None,
     sr_key: jax.Array | None = None,
+    name: str = "",
 ) -> NVFP4Tensor:
     """NVFP4-quantize x[..., K] along its last axis (blocks of 16), TE semantics.
 
     scaling: "tensor" (one global amax), "row" (one amax per row: token-wise) or "tile2d" (16x16 weight tiles
     share a block scale, so W and W^T quantize alike). `amax` reuses a given global amax (scalar, or [..., 1] for
-    "row"). `sr_key` switches the E2M1 cast to stochastic rounding (the gradient path).
+    "row"). `sr_key` switches the E2M1 cast to stochastic rounding (the gradient path). `name` labels the debug
+    non-finite report.
     """
-    if scaling not in ("tensor", "row", "tile2d"):
-        raise ValueError(f"quantize_nvfp4: unknown scaling {scaling!r}; expected 'tensor', 'row' or 'tile2d'")
-    _check_input(x, NVFP4_BLOCK, "quantize_nvfp4", min_rank=2 if scaling == "tile2d" else 1)
-    if scaling == "tile2d" and x.shape[-2] % NVFP4_BLOCK:
-        raise ValueError(
-            f"quantize_nvfp4(scaling='tile2d'): second-to-last dim of shape {x.shape} is {x.shape[-2]}, "
-            f"not a multiple of {NVFP4_BLOCK}"
-        )
-    x = x.astype(F32)
+    x, amax = nvfp4_prepare(x, scaling, amax)
+    report_nonfinite(x, "quantize_nvfp4", name)
+    ba = nvfp4_block_amax(x, scaling)
     if amax is None:
-        amax = _amax(x, scaling)
-    else:
-        amax = jnp.asarray(amax, F32)
-        want = x.shape[:-1] + (1,) if scaling == "row" else ()
-        if scaling == "row" and amax.ndim == 0:
-            amax = jnp.broadcast_to(amax, want)
-        if amax.shape != want:
-            raise ValueError(f"quantize_nvfp4: amax of shape {amax.shape} for input {x.shape}; expected {want}")
+        amax = amax_from_blocks(ba, scaling)
     s_enc = nvfp4_global_scale(amax)
     s_dec = jnp.float32(1.0) / s_enc  # "row": [..., 1], broadcasts over the row's blocks
-    ba = _nvfp4_block_amax(x, scaling)
-    # TE folds 1/6 into S first: ba * (S * (1/6)).
-    scale = e4m3_cast(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
-    inv = jnp.minimum(jnp.float32(1.0) / (scale.astype(F32) * s_dec), FLT_MAX)
-    y = _blocks(x, NVFP4_BLOCK) * inv[..., None]
-    q = e2m1_cast(y) if sr_key is None else e2m1_cast_stochastic(y, sr_key)
-    return NVFP4Tensor(data=q.reshape(x.shape), scale=scale, amax=amax, scaling=scaling)
+    packed, scale = nvfp4_encode_blocks(_blocks(x, NVFP4_BLOCK), ba, s_enc, s_dec, sr_key)
+    return NVFP4Tensor(packed=packed, scale=scale, amax=amax, scaling=scaling)
+
+
+def quantize_nvfp4_kn(w: jax.Array, *, scaling: Scaling = "tensor", name: str = "") -> NVFP4Tensor:
+    """NVFP4 of w^T for a weight w[..., K, N] stored K-major: bit-identical to quantize_nvfp4(swapaxes(w, -1, -2)).
+
+    The blocks run down the columns of w, so the float input is read in its own layout and only the small uint8
+    outputs are transposed (XLA:CPU reads a transposed float input many times slower).
+    """
+    if scaling not in ("tensor", "tile2d"):
+        raise ValueError(f"quantize_nvfp4_kn: scaling {scaling!r}; weights use 'tensor' or 'tile2d'")
+    _check_input(jnp.swapaxes(w, -1, -2), NVFP4_BLOCK, "quantize_nvfp4_kn (w^T)", min_rank=2)
+    if scaling == "tile2d" and w.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"quantize_nvfp4_kn(scaling='tile2d'): N of shape {w.shape} is not a multiple of 16")
+    w = w.astype(F32)
+    report_nonfinite(w, "quantize_nvfp4", name)
+    *lead, k, n = w.shape
+    nb = k // NVFP4_BLOCK
+    wb = w.reshape(*lead, nb, NVFP4_BLOCK, n)
+    ba = jnp.max(_nan_to_zero_abs(wb), axis=-2)  # [..., K/16, N]
+    if scaling == "tile2d":
+        t = ba.reshape(*lead, nb, n // NVFP4_BLOCK, NVFP4_BLOCK)
+        ba = jnp.broadcast_to(jnp.max(t, axis=-1, keepdims=True), t.shape).reshape(ba.shape)
+    amax = amax_from_blocks(ba, "tensor")
+    s_enc = nvfp4_global_scale(amax)
+    s_dec = jnp.float32(1.0) / s_enc
+    scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
+    scale = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
+    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)[..., None, :]
+    lo = e2m1_rne_codes(wb[..., 0::2, :] * inv)
+    hi = e2m1_rne_codes(wb[..., 1::2, :] * inv)
+    packed = (lo | (hi << 4)).reshape(*lead, k // 2, n)
+    return NVFP4Tensor(
+        packed=jnp.swapaxes(packed, -1, -2), scale=jnp.swapaxes(scale, -1, -2), amax=amax, scaling=scaling
+    )
+
+
+def quantize_mxfp8_kn(w: jax.Array, *, name: str = "") -> MXFP8Tensor:
+    """MXFP8 of w^T for a weight w[..., K, N]: bit-identical to quantize_mxfp8(swapaxes(w, -1, -2))."""
+    _check_input(jnp.swapaxes(w, -1, -2), MXFP8_BLOCK, "quantize_mxfp8_kn (w^T)", min_rank=2)
+    w = w.astype(F32)
+    report_nonfinite(w, "quantize_mxfp8", name)
+    *lead, k, n = w.shape
+    wb = w.reshape(*lead, k // MXFP8_BLOCK, MXFP8_BLOCK, n)
+    amax = jnp.max(_nan_to_zero_abs(wb), axis=-2)
+    e = _e8m0_rceil(amax * jnp.float32(1.0 / E4M3_MAX))
+    q = e4m3_cast(wb * _pow2_neg_biased(e)[..., None, :]).reshape(*lead, k, n)
+    scale = jax.lax.bitcast_convert_type(e.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return MXFP8Tensor(data=jnp.swapaxes(q, -1, -2), scale=jnp.swapaxes(scale, -1, -2))
+
+
+def _e2m1_rne_values(y: jax.Array) -> jax.Array:
+    """The float32 value of the saturating RNE E2M1 cast of y (the codes' values, without packing them)."""
+    y = _e2m1_saturate(y)
+    a = jnp.abs(y)
+    inv_step, _ = _e2m1_binade(a)
+    return jnp.copysign(jnp.round(a * inv_step) / inv_step, y)
+
+
+def nvfp4_fake_quant(
+    x: jax.Array, *, scaling: Scaling = "tensor", amax: jax.Array | float | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(e2m1(q) * s as float32 [..., K], global decode factor): quantize_nvfp4(x)'s exact block values and factor,
+    computed elementwise without packing (the on-the-fly GEMM operand; packed storage is for reuse)."""
+    x, amax = nvfp4_prepare(x, scaling, amax, what="nvfp4_fake_quant")
+    report_nonfinite(x, "quantize_nvfp4")
+    ba = nvfp4_block_amax(x, scaling)
+    if amax is None:
+        amax = amax_from_blocks(ba, scaling)
+    s_enc = nvfp4_global_scale(amax)
+    s_dec = jnp.float32(1.0) / s_enc
+    scale_f32, _ = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
+    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)
+    v = _e2m1_rne_values(_blocks(x, NVFP4_BLOCK) * inv[..., None]) * scale_f32[..., None]
+    g = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(NVFP4_RANGE))
+    return v.reshape(x.shape), g
+
+
+def nvfp4_fake_quant_kn(w: jax.Array, *, scaling: Scaling = "tensor") -> tuple[jax.Array, jax.Array]:
+    """nvfp4_fake_quant of w^T for w[..., K, N], returned in w's [..., K, N] layout (as quantize_nvfp4_kn)."""
+    if scaling not in ("tensor", "tile2d"):
+        raise ValueError(f"nvfp4_fake_quant_kn: scaling {scaling!r}; weights use 'tensor' or 'tile2d'")
+    _check_input(jnp.swapaxes(w, -1, -2), NVFP4_BLOCK, "nvfp4_fake_quant_kn (w^T)", min_rank=2)
+    if scaling == "tile2d" and w.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"nvfp4_fake_quant_kn(scaling='tile2d'): N of shape {w.shape} is not a multiple of 16")
+    w = w.astype(F32)
+    report_nonfinite(w, "quantize_nvfp4")
+    *lead, k, n = w.shape
+    nb = k // NVFP4_BLOCK
+    wb = w.reshape(*lead, nb, NVFP4_BLOCK, n)
+    ba = jnp.max(_nan_to_zero_abs(wb), axis=-2)
+    if scaling == "tile2d":
+        t = ba.reshape(*lead, nb, n // NVFP4_BLOCK, NVFP4_BLOCK)
+        ba = jnp.broadcast_to(jnp.max(t, axis=-1, keepdims=True), t.shape).reshape(ba.shape)
+    amax = amax_from_blocks(ba, "tensor")
+    s_enc = nvfp4_global_scale(amax)
+    s_dec = jnp.float32(1.0) / s_enc
+    scale_f32, _ = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
+    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)[..., None, :]
+    v = _e2m1_rne_values(wb * inv) * scale_f32[..., None, :]
+    g = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(NVFP4_RANGE))
+    return v.reshape(w.shape), g
 
 
 def _e8m0_rceil(v: jax.Array) -> jax.Array:
@@ -209,6 +486,12 @@ def _e8m0_rceil(v: jax.Array) -> jax.Array:
     return jnp.where(exp == 255, jnp.uint32(255), e)
 
 
+def _e8m0_floor(amax: jax.Array) -> jax.Array:
+    """OCP / torchao FLOOR rule: 2^(floor(log2 amax) - 8), for comparison only (the project uses RCEIL)."""
+    exp = ((jax.lax.bitcast_convert_type(amax.astype(F32), jnp.uint32) >> 23) & 0xFF).astype(jnp.int32)
+    return jnp.where(exp == 255, 255, jnp.clip(exp - 8, 0, 254)).astype(jnp.uint32)
+
+
 def _pow2_neg_biased(e: jax.Array) -> jax.Array:
     """Exactly 2^(127 - e) in float32 for a biased exponent e (2^-127 is a float32 subnormal; e = 255 -> NaN)."""
     b = jnp.uint32(254) - jnp.minimum(e, jnp.uint32(254))
@@ -217,23 +500,34 @@ def _pow2_neg_biased(e: jax.Array) -> jax.Array:
     return jnp.where(e == 255, jnp.float32(jnp.nan), out)
 
 
-def quantize_mxfp8(x: jax.Array) -> MXFP8Tensor:
-    """MXFP8-quantize x[..., K] along its last axis (blocks of 32, E8M0 scales, RCEIL rounding)."""
+def mxfp8_encode_blocks(xb: jax.Array, rounding: str = "rceil") -> tuple[jax.Array, jax.Array]:
+    """The per-block MXFP8 core shared by every backend: blocks [..., nb, 32] -> (E4M3 data, biased exponent u8)."""
+    amax = jnp.max(_nan_to_zero_abs(xb), axis=-1)
+    e = _e8m0_rceil(amax * jnp.float32(1.0 / E4M3_MAX)) if rounding == "rceil" else _e8m0_floor(amax)
+    q = e4m3_cast(xb * _pow2_neg_biased(e)[..., None])
+    return q, e.astype(jnp.uint8)
+
+
+def quantize_mxfp8(x: jax.Array, *, rounding: str = "rceil", name: str = "") -> MXFP8Tensor:
+    """MXFP8-quantize x[..., K] along its last axis (blocks of 32, E8M0 scales, RCEIL rounding).
+
+    rounding="floor" gives the OCP rule, only to compare against (it differs for amax in (448*2^k, 512*2^k)).
+    """
+    if rounding not in ("rceil", "floor"):
+        raise ValueError(f"quantize_mxfp8: unknown rounding {rounding!r}; expected 'rceil' or 'floor'")
     _check_input(x, MXFP8_BLOCK, "quantize_mxfp8")
     x = x.astype(F32)
-    xb = _blocks(x, MXFP8_BLOCK)
-    v = jnp.max(_nan_to_zero_abs(xb), axis=-1) * jnp.float32(1.0 / E4M3_MAX)
-    e = _e8m0_rceil(v)
-    q = e4m3_cast(xb * _pow2_neg_biased(e)[..., None])
-    scale = jax.lax.bitcast_convert_type(e.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    report_nonfinite(x, "quantize_mxfp8", name)
+    q, e = mxfp8_encode_blocks(_blocks(x, MXFP8_BLOCK), rounding)
+    scale = jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu)
     return MXFP8Tensor(data=q.reshape(x.shape), scale=scale)
 
 
-def quantize_fp8(x: jax.Array, scale: jax.Array | float | None = None) -> FP8Tensor:
+def quantize_fp8(x: jax.Array, scale: jax.Array | float | None = None, *, name: str = "") -> FP8Tensor:
     """Per-tensor E4M3 with scale = amax / 448 (or a fixed calibrated scale); used for the KV cache."""
-    if not hasattr(x, "dtype") or x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"quantize_fp8: unsupported input dtype {getattr(x, 'dtype', type(x))}")
+    _check_input(x, 1, "quantize_fp8")
     x = x.astype(F32)
+    report_nonfinite(x, "quantize_fp8", name)
     if scale is None:
         amax = jnp.max(_nan_to_zero_abs(x))
         scale = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(E4M3_MAX))
@@ -243,36 +537,25 @@ def quantize_fp8(x: jax.Array, scale: jax.Array | float | None = None) -> FP8Ten
 
 def pack_fp4(data: jax.Array) -> jax.Array:
     """Pack E2M1 codes two per byte: element 2i in bits 0-3, element 2i+1 in bits 4-7 -> uint8 [..., K/2]."""
-    if data.dtype != jnp.float4_e2m1fn:
-        raise TypeError(f"pack_fp4: expected float4_e2m1fn data, got {data.dtype}")
-    if data.shape[-1] % 2:
-        raise ValueError(f"pack_fp4: last dim of shape {data.shape} is odd")
-    codes = _e2m1_codes(data)
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
+    if getattr(data, "dtype", None) != jnp.float4_e2m1fn:
+        raise TypeError(f"pack_fp4: expected float4_e2m1fn data, got {getattr(data, 'dtype', type(data))}")
+    if data.ndim < 1 or data.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dim of shape {data.shape} must be even")
+    return pack_codes(fp4_to_codes(data))
 
 
 def unpack_fp4(packed: jax.Array) -> jax.Array:
     """Inverse of pack_fp4: uint8 [..., K/2] -> float4_e2m1fn [..., K]."""
-    if packed.dtype != jnp.uint8:
-        raise TypeError(f"unpack_fp4: expected uint8, got {packed.dtype}")
-    lo, hi = packed & 0xF, packed >> 4
-    codes = jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    mag = jnp.asarray(E2M1_GRID)[(codes & 0x7).astype(jnp.int32)]
-    return jnp.where((codes & 0x8) != 0, -mag, mag).astype(jnp.float4_e2m1fn)
-
-
-def _e2m1_codes(data: jax.Array) -> jax.Array:
-    """4-bit E2M1 codes (sign << 3 | magnitude index) as uint8."""
-    f = data.astype(F32)
-    idx = jnp.searchsorted(jnp.asarray(E2M1_GRID), jnp.abs(f)).astype(jnp.uint8)
-    sign = jnp.signbit(f).astype(jnp.uint8)
-    return (sign << 3) | idx
+    if getattr(packed, "dtype", None) != jnp.uint8:
+        raise TypeError(f"unpack_fp4: expected uint8, got {getattr(packed, 'dtype', type(packed))}")
+    return codes_to_fp4(unpack_codes(packed))
 
 
 def e2m1_codes(data: jax.Array) -> jax.Array:
-    """Public view of the E2M1 codes of float4 data (for tests and checkpoints)."""
-    return _e2m1_codes(data)
+    """The 4-bit E2M1 codes (sign << 3 | magnitude index) of float4 data, as uint8 (for tests and checkpoints)."""
+    if getattr(data, "dtype", None) != jnp.float4_e2m1fn:
+        raise TypeError(f"e2m1_codes: expected float4_e2m1fn data, got {getattr(data, 'dtype', type(data))}")
+    return fp4_to_codes(data)
 
 
 def hadamard16(sign_seed: int = 0) -> jax.Array:
@@ -286,8 +569,8 @@ def hadamard16(sign_seed: int = 0) -> jax.Array:
 
 def rht16(x: jax.Array, axis: int = -1, sign_seed: int = 0) -> jax.Array:
     """Apply H to each 16-block along `axis`: (H x_blk). Applied to both wgrad operands it cancels (H^T H = I)."""
-    _check_input(jnp.moveaxis(x, axis, -1), NVFP4_BLOCK, "rht16")
-    h = hadamard16(sign_seed)
     xm = jnp.moveaxis(x, axis, -1)
-    y = jnp.einsum("...bi,ji->...bj", _blocks(xm.astype(F32), NVFP4_BLOCK), h)
+    _check_input(xm, NVFP4_BLOCK, f"rht16(axis={axis})")
+    h = hadamard16(sign_seed)
+    y = jnp.einsum("...bi,ji->...bj", _blocks(xm.astype(F32), NVFP4_BLOCK), h, precision="highest")
     return jnp.moveaxis(y.reshape(xm.shape), -1, axis).astype(x.dtype)

@@ -1,38 +1,44 @@
-"""The one quantized dot every model matmul goes through, with a custom VJP.
+"""The one quantized dot every model matmul goes through (dense and grouped per-expert), with a custom VJP.
 
-Forward: both operands in the layer's format. The reference (`xla` backend) keeps each operand as its exact
-block-scaled value `q * s` (exactly representable in bfloat16 for E2M1*E4M3, E4M3*E8M0 and E4M3), accumulates in
-float32 and applies the float32 per-tensor (or per-row) factors to the output, like the GEMM's alpha on hardware.
-Backward: straight-through, in bfloat16 (or float32) by default; NVFP4 gradients with stochastic rounding and a
-16-point random Hadamard transform on the wgrad operands as an option.
+Forward: both operands in the layer's format, executed by a registered backend (backends.py). The reference keeps
+each operand as its exact block-scaled value `q * s` (exactly representable in bfloat16 for E2M1*E4M3, E4M3*E8M0
+and E4M3), accumulates in float32 and applies the float32 per-tensor (or per-row, per-expert) factors to the
+output, like the GEMM's alpha on hardware. On the xla backend an operand quantized on the fly is never packed: its
+exact values come from one fused elementwise pass (formats.nvfp4_fake_quant, bit-identical to decoding the packed
+tensor), and a [K, N] weight is quantized along K in its own layout (no transposed read).
+Backward: straight-through (the quantizer's Jacobian taken as the identity), GEMMs on the high-precision operands
+rounded to bfloat16 (or float32) with float32 accumulation. grad="nvfp4" instead quantizes the backward GEMMs'
+operands to NVFP4: the output gradient with stochastic rounding, and a 16-point random Hadamard transform along
+the token axis on both wgrad operands (tokens zero-padded to a multiple of 16, per expert group for the grouped
+dot). The backward always runs on the reference (xla) ops.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from triage_jax.quant import backends as be
 from triage_jax.quant import formats as fmt
+from triage_jax.quant.debug import report_nonfinite
 from triage_jax.quant.policy import LayerPrecision
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
-
-
-@struct.dataclass
-class ScaledOperand:
-    """An operand split as (block-scaled values [..., K] in bf16, float32 output factor broadcastable to rows)."""
-
-    values: jax.Array
-    factor: jax.Array
+_SR_SEED = 0x7A1A6E  # the fixed seed the derived stochastic-rounding keys fold from
+_BLOCK = {"nvfp4": fmt.NVFP4_BLOCK, "mxfp8": fmt.MXFP8_BLOCK}
 
 
 @struct.dataclass
 class QuantizedWeight:
-    """A weight quantized once (the sampler reuses it every step); `q` holds it transposed as [..., N, K]."""
+    """A weight quantized once (the sampler reuses it every step); `q` holds it transposed as [..., N, K].
+
+    For a 3D per-expert weight [E, K, N], each expert is quantized on its own (its own NVFP4 amax / FP8 scale).
+    """
 
     q: fmt.NVFP4Tensor | fmt.MXFP8Tensor | fmt.FP8Tensor
     fmt_name: str = struct.field(pytree_node=False)
@@ -42,117 +48,342 @@ class QuantizedWeight:
         s = self.q.shape
         return s[:-2] + (s[-1], s[-2])
 
+    def dequantize(self, dtype=F32) -> jax.Array:
+        """The dequantized weight [..., K, N]."""
+        return jnp.swapaxes(self.q.dequantize(dtype), -1, -2)
 
-def quantize_operand(x: jax.Array, fmt_name: str, scaling: str = "tensor"):
-    """Quantize x[..., K] along its last axis in the named format (None for "none")."""
+
+def quantize_operand(x: jax.Array, fmt_name: str, scaling: str = "tensor", backend: str = "xla"):
+    """Quantize x[..., K] along its last axis in the named format (x itself for "none"); 3D = per-matrix."""
     if fmt_name == "none":
-        return None
-    if fmt_name == "nvfp4":
-        return fmt.quantize_nvfp4(x, scaling=scaling)
-    if fmt_name == "mxfp8":
-        return fmt.quantize_mxfp8(x)
-    if fmt_name == "fp8":
-        return fmt.quantize_fp8(x)
-    raise ValueError(f"unknown format {fmt_name!r}")
+        return x
+    quant = be.get_backend(backend).quantize
+    if x.ndim == 3 and scaling != "row":  # per-expert weights: one amax / scale per matrix
+        return jax.vmap(lambda m: quant(m, fmt_name, scaling))(x)
+    return quant(x, fmt_name, scaling)
 
 
-def split_scaled(q) -> ScaledOperand:
-    """Exact block-scaled values (bf16) and the float32 factor the GEMM applies to its output."""
-    if isinstance(q, fmt.NVFP4Tensor):
-        blocks = fmt._blocks(q.data.astype(F32), fmt.NVFP4_BLOCK) * q.scale.astype(F32)[..., None]
-        g = q.global_decode_scale()
-        return ScaledOperand(blocks.reshape(q.shape).astype(BF16), g if q.scaling == "row" else g)
-    if isinstance(q, fmt.MXFP8Tensor):
-        return ScaledOperand(q.dequantize(F32).astype(BF16), jnp.float32(1.0))
-    if isinstance(q, fmt.FP8Tensor):
-        return ScaledOperand(q.data.astype(BF16), q.scale.astype(F32))
-    raise TypeError(f"cannot split {type(q).__name__}")
+def quantize_weight(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor", backend: str = "xla"):
+    """Quantize a weight w[K, N] (or per expert w[E, K, N]) along K, returned as w^T [..., N, K] quantized."""
+    backend_ = be.get_backend(backend)
+    if w_kn.ndim == 3:  # per-expert weights: one amax / scale per matrix
+        return jax.vmap(lambda m: backend_.quantize_weight(m, fmt_name, scaling))(w_kn)
+    return backend_.quantize_weight(w_kn, fmt_name, scaling)
 
 
-def prequantize(w_kn: jax.Array, prec: LayerPrecision) -> jax.Array | QuantizedWeight:
-    """Quantize a weight w[..., K, N] once for reuse (the sampler's sync); returns w itself for "none"."""
+def prequantize(w_kn: jax.Array, prec: LayerPrecision, *, backend: str = "xla") -> jax.Array | QuantizedWeight:
+    """Quantize a weight w[K, N] or per-expert w[E, K, N] once for reuse (the sampler's sync); w itself for "none"."""
     if prec.weight == "none":
         return w_kn
-    q = quantize_operand(jnp.swapaxes(w_kn, -1, -2), prec.weight, prec.weight_scaling)
-    return QuantizedWeight(q=q, fmt_name=prec.weight)
+    if w_kn.ndim not in (2, 3):
+        raise ValueError(f"prequantize: expected w[K, N] or w[E, K, N]; got shape {w_kn.shape}")
+    _check_block(w_kn.shape[-2], prec.weight, "weight", f"w {w_kn.shape}")
+    return QuantizedWeight(
+        q=quantize_weight(w_kn, prec.weight, prec.weight_scaling, backend), fmt_name=prec.weight
+    )
 
 
-def _check(x: jax.Array, w_shape: tuple[int, ...], prec: LayerPrecision) -> None:
+def _check_block(k: int, fmt_name: str, role: str, shapes: str) -> None:
+    block = _BLOCK.get(fmt_name)
+    if block and k % block:
+        raise ValueError(f"{role} format {fmt_name} needs the contraction dim K={k} ({shapes}) to be a multiple of {block}")
+
+
+def _check_common(x, w, prec: LayerPrecision, w_rank: int, what: str) -> None:
+    if getattr(x, "dtype", None) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise TypeError(f"{what}: unsupported activation dtype {getattr(x, 'dtype', None)} (shape {x.shape})")
+    w_shape = tuple(w.shape)
+    shapes = f"x {tuple(x.shape)}, w {w_shape}"
+    if len(w_shape) != w_rank or x.ndim < 1:
+        want = "w[K, N]" if w_rank == 2 else "w[E, K, N]"
+        raise ValueError(f"{what}: expected x[..., K] and {want}; got {shapes}")
+    if isinstance(w, QuantizedWeight):
+        if w.fmt_name != prec.weight:
+            raise ValueError(f"{what}: weight pre-quantized as {w.fmt_name} but the layer asks for {prec.weight}")
+    elif getattr(w, "dtype", None) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise TypeError(f"{what}: unsupported weight dtype {getattr(w, 'dtype', None)} (shape {w_shape})")
     k = x.shape[-1]
-    if x.ndim < 1 or len(w_shape) != 2:
-        raise ValueError(f"qdot: expected x[..., K] and w[K, N]; got x {x.shape}, w {w_shape}")
-    if w_shape[0] != k:
-        raise ValueError(f"qdot: contraction mismatch, x {x.shape} vs w {w_shape}")
-    for name, f in (("act", prec.act), ("weight", prec.weight)):
-        block = {"nvfp4": fmt.NVFP4_BLOCK, "mxfp8": fmt.MXFP8_BLOCK}.get(f)
-        if block and k % block:
-            raise ValueError(
-                f"qdot: {name} format {f} needs the contraction dim K={k} (x {x.shape}, w {w_shape}) "
-                f"to be a multiple of {block}"
-            )
+    if w_shape[-2] != k:
+        raise ValueError(f"{what}: contraction mismatch, {shapes}")
+    for role, f in (("act", prec.act), ("weight", prec.weight)):
+        _check_block(k, f, f"{what}: {role}", shapes)
+    if prec.grad == "nvfp4":
+        _check_block(w_shape[-1], "nvfp4", f"{what}: grad", shapes + "; N is dgrad's contraction dim")
 
 
-def _forward_xla(x: jax.Array, w, prec: LayerPrecision) -> jax.Array:
-    """Reference forward: exact block-scaled operands, f32 accumulation, f32 output factors."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    qx = quantize_operand(x2, prec.act, prec.act_scaling)
+# --- dense -------------------------------------------------------------------------------------------------------
+
+
+def _forward(x2: jax.Array, w, prec: LayerPrecision, backend: str) -> jax.Array:
+    """y[M, N] in float32 on the backend: quantize both operands ([rows, K] layout) and multiply."""
+    if backend == "te":
+        if isinstance(w, QuantizedWeight):
+            raise NotImplementedError("te backend quantizes inside its GEMM: pass the raw weight, not a QuantizedWeight")
+        return be.te_dense(x2, w, prec.weight, prec.act, prec.weight_scaling)
+    if backend == "xla":
+        return _forward_reference(x2, w, prec)
+    qx = quantize_operand(x2, prec.act, prec.act_scaling, backend)
     if isinstance(w, QuantizedWeight):
         qw = w.q
+    elif prec.weight == "none":
+        qw = w.T
     else:
-        qw = quantize_operand(jnp.swapaxes(w, 0, 1), prec.weight, prec.weight_scaling)
-    xs = split_scaled(qx) if qx is not None else ScaledOperand(x2, jnp.float32(1.0))
-    ws = split_scaled(qw) if qw is not None else ScaledOperand(jnp.swapaxes(w, 0, 1), jnp.float32(1.0))
-    cdt = jnp.promote_types(xs.values.dtype, ws.values.dtype)
-    y = jax.lax.dot_general(
-        xs.values.astype(cdt), ws.values.astype(cdt), (((1,), (1,)), ((), ())), preferred_element_type=F32
+        qw = quantize_weight(w, prec.weight, prec.weight_scaling, backend)
+    return be.get_backend(backend).matmul(qx, qw)
+
+
+def _forward_reference(x_mk: jax.Array, w, prec: LayerPrecision, gs: jax.Array | None = None) -> jax.Array:
+    """The xla backend's forward, dense or grouped: operands quantized on the fly as exact values (one fused pass
+    each, nothing packed), or a pre-quantized weight decoded; float32 accumulation; float32 output factors."""
+    xv, fx = be.fake_quant(x_mk, prec.act, prec.act_scaling)
+    if isinstance(w, QuantizedWeight):
+        wv, fw = be.split_scaled(w.q)  # [(E,) N, K]: contract its last axis (a transposed copy costs ~2x the dot)
+        k_axis = wv.ndim - 1
+    else:
+        wv, fw = be.fake_quant_kn(w, prec.weight, prec.weight_scaling)  # [(E,) K, N]
+        k_axis = wv.ndim - 2
+    cdt = jnp.promote_types(xv.dtype, wv.dtype)
+    xv, wv = xv.astype(cdt), wv.astype(cdt)
+    if gs is None:
+        y = jax.lax.dot_general(xv, wv, (((1,), (k_axis,)), ((), ())), preferred_element_type=F32)
+        return y * fx * fw
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (k_axis,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,)
     )
-    y = y * xs.factor * ws.factor  # row factor [M, 1] (token-wise) or scalars
-    return y.astype(x.dtype).reshape(*lead, y.shape[-1])
+    y = jax.lax.ragged_dot_general(xv, wv, gs, dims, preferred_element_type=F32)
+    return y * fx * _per_row(fw, _row_groups(gs, x_mk.shape[0]))
 
 
-def _grad_dtype(prec: LayerPrecision, like: jax.Array):
-    return F32 if prec.grad == "f32" else BF16
+def _derive_key(g: jax.Array, key) -> jax.Array:
+    """The explicit key, or one folded deterministically from a fixed seed, g's shape and g's content."""
+    if key is not None:
+        return key
+    content = jax.lax.bitcast_convert_type(jnp.sum(g.astype(F32)), jnp.uint32)
+    k = jax.random.fold_in(jax.random.key(_SR_SEED), g.shape[0] * 65537 + g.shape[-1])
+    return jax.random.fold_in(k, content)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _qdot_q(x, w, prec):
-    return _forward_xla(x, w, prec)
+def _pad_rows(a: jax.Array, multiple: int = fmt.NVFP4_BLOCK) -> jax.Array:
+    pad = -a.shape[0] % multiple
+    return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
 
 
-def _qdot_q_fwd(x, w, prec):
-    return _forward_xla(x, w, prec), (x, w)
+def _nvfp4_dgrad_operands(g2, w_kn, key, prec: LayerPrecision):
+    """dgrad dx = g . w^T contracts N: g quantized along N with stochastic rounding, w along N (RNE)."""
+    gq = fmt.quantize_nvfp4(g2, sr_key=key)
+    tile = prec.weight_scaling == "tile2d" and w_kn.shape[-2] % fmt.NVFP4_BLOCK == 0
+    wq = quantize_operand(w_kn.astype(F32), "nvfp4", "tile2d" if tile else "tensor")  # [(E,) K, N]
+    return gq, wq
 
 
-def _qdot_q_bwd(prec, res, g):
-    x, w = res
-    gdt = _grad_dtype(prec, x)
-    g2 = g.reshape(-1, g.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    # Straight-through: the quantizer's Jacobian is the identity; backward GEMMs use the high-precision operands.
-    dx = jnp.dot(g2.astype(gdt), w.T.astype(gdt), preferred_element_type=F32)
-    dw = jnp.dot(x2.T.astype(gdt), g2.astype(gdt), preferred_element_type=F32)
-    return dx.astype(x.dtype).reshape(x.shape), dw.astype(w.dtype)
+def _nvfp4_wgrad_operands(x_pk, g_pn, key):
+    """wgrad contracts tokens: RHT along tokens on both operands (amax after it), quantized along tokens."""
+    xt = fmt.rht16(x_pk.astype(F32), axis=0).T  # [K, P]
+    gt = fmt.rht16(g_pn.astype(F32), axis=0).T  # [N, P]
+    return fmt.quantize_nvfp4(xt), fmt.quantize_nvfp4(gt, sr_key=key)
+
+
+def _nvfp4_grads(x2, w, g2, key, prec: LayerPrecision):
+    k_d, k_w = jax.random.split(_derive_key(g2, key))
+    gq, wq = _nvfp4_dgrad_operands(g2, w, k_d, prec)
+    dx = be.reference_matmul(gq, wq)
+    xq, gtq = _nvfp4_wgrad_operands(_pad_rows(x2), _pad_rows(g2), k_w)
+    dw = be.reference_matmul(xq, gtq)
+    return dx, dw
+
+
+def _st_grads(x2, w, g2, prec: LayerPrecision):
+    gdt = F32 if prec.grad == "f32" else BF16
+    g = g2.astype(gdt)
+    dx = jnp.dot(g, w.T.astype(gdt), preferred_element_type=F32)
+    dw = jnp.dot(x2.T.astype(gdt), g, preferred_element_type=F32)
+    return dx, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _qdot_q(x2, w, key, prec, backend):
+    return _forward(x2, w, prec, backend)
+
+
+def _qdot_q_fwd(x2, w, key, prec, backend):
+    return _forward(x2, w, prec, backend), (x2, w, key)
+
+
+def _qdot_q_bwd(prec, backend, res, g2):
+    x2, w, key = res
+    if prec.grad == "nvfp4":
+        dx, dw = _nvfp4_grads(x2, w, g2, key, prec)
+    else:
+        dx, dw = _st_grads(x2, w, g2, prec)
+    return dx.astype(x2.dtype), dw.astype(w.dtype), None
 
 
 _qdot_q.defvjp(_qdot_q_fwd, _qdot_q_bwd)
 
 
-def qdot(x: jax.Array, w, prec: LayerPrecision, *, backend: str = "xla") -> jax.Array:
-    """y[..., N] = x[..., K] @ w[K, N] in the layer's precision; w may be a pre-quantized QuantizedWeight."""
-    w_shape = w.shape
-    _check(x, w_shape, prec)
-    if backend != "xla":
-        raise ValueError(f"qdot: backend {backend!r} is not available yet")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _qdot_pre(x2, qw, prec, backend):
+    return _forward(x2, qw, prec, backend)
+
+
+def _qdot_pre_fwd(x2, qw, prec, backend):
+    return _forward(x2, qw, prec, backend), (x2, qw)
+
+
+def _qdot_pre_bwd(prec, backend, res, g2):
+    x2, qw = res  # straight-through to x through the dequantized weight; none to the frozen quantized weight
+    gdt = F32 if prec.grad == "f32" else BF16
+    dx = jnp.dot(g2.astype(gdt), qw.dequantize(F32).T.astype(gdt), preferred_element_type=F32)
+    return dx.astype(x2.dtype), None
+
+
+_qdot_pre.defvjp(_qdot_pre_fwd, _qdot_pre_bwd)
+
+
+def qdot(
+    x: jax.Array, w, prec: LayerPrecision, *, backend: str = "xla", sr_key: jax.Array | None = None, name: str = ""
+) -> jax.Array:
+    """y[..., N] = x[..., K] @ w[K, N] in the layer's precision; w may be a pre-quantized QuantizedWeight.
+
+    backend: a registered backend name or "auto" (unavailable -> error with the reason). sr_key: the stochastic-
+    rounding key of grad="nvfp4" (default: derived from a fixed seed, the shapes and the gradient's content).
+    name: the layer path, used by the non-finite debug report.
+    """
+    _check_common(x, w, prec, 2, "qdot")
     if not prec.quantized:
+        if isinstance(w, QuantizedWeight):
+            raise ValueError("qdot: a QuantizedWeight needs a layer precision with a weight format")
         return jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype)
+    backend = be.resolve_backend(backend)
+    report_nonfinite(x, "qdot", name)
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if isinstance(w, QuantizedWeight):
-        return _forward_xla(x, w, prec)  # pre-quantized weights are for inference: no gradient
-    return _qdot_q(x, w, prec)
+        y = _qdot_pre(x2, w, prec, backend)
+    else:
+        y = _qdot_q(x2, w, sr_key, prec, backend)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def qragged_dot(x_mk: jax.Array, w_ekn, group_sizes_e: jax.Array, prec: LayerPrecision, *, backend: str = "xla"):
-    """Grouped (per-expert) quantized dot: rows of x_mk sorted by expert, group_sizes_e rows each -> y_mn."""
+# --- grouped (per-expert) ----------------------------------------------------------------------------------------
+
+_RAGGED_WGRAD = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=()
+)
+
+
+def _row_groups(group_sizes_e: jax.Array, m: int) -> jax.Array:
+    """The expert index of each of the m rows (rows past sum(group_sizes) get the last expert; their output is 0)."""
+    e = group_sizes_e.shape[0]
+    return jnp.repeat(jnp.arange(e), group_sizes_e, total_repeat_length=m)
+
+
+def _per_row(factor: jax.Array, rows_e: jax.Array) -> jax.Array:
+    """A per-expert factor [E] (or scalar) as a per-row factor [M, 1]."""
+    return factor[rows_e][:, None] if jnp.ndim(factor) else factor
+
+
+def _ragged_forward(x_mk, w, gs, prec: LayerPrecision, backend: str) -> jax.Array:
+    if backend == "xla":
+        return _forward_reference(x_mk, w, prec, gs)
+    qx = quantize_operand(x_mk, prec.act, prec.act_scaling, backend)
+    if isinstance(w, QuantizedWeight):
+        qw = w.q
+    elif prec.weight == "none":
+        qw = jnp.swapaxes(w, -1, -2)
+    else:
+        qw = quantize_weight(w, prec.weight, prec.weight_scaling, backend)
+    xv, fx, wv, fw = be.gemm_operands(qx, qw)  # wv [E, K, N], fw [E] or scalar
+    y = jax.lax.ragged_dot(xv, wv, gs, preferred_element_type=F32)
+    return y * fx * _per_row(fw, _row_groups(gs, x_mk.shape[0]))
+
+
+def _ragged_st_grads(x, w, gs, g, gdt):
+    g = g.astype(gdt)
+    dx = jax.lax.ragged_dot(g, jnp.swapaxes(w, -1, -2).astype(gdt), gs, preferred_element_type=F32)
+    dw = jax.lax.ragged_dot_general(x.astype(gdt), g, gs, _RAGGED_WGRAD, preferred_element_type=F32)
+    return dx, dw
+
+
+def _pad_groups(a_mk: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows of each group moved to a start that is a multiple of 16, zeros between: (padded [P, K], padded sizes)."""
+    m, e = a_mk.shape[0], gs.shape[0]
+    p = -(-(m + (fmt.NVFP4_BLOCK - 1) * e) // fmt.NVFP4_BLOCK) * fmt.NVFP4_BLOCK
+    padded_gs = -(-gs // fmt.NVFP4_BLOCK) * fmt.NVFP4_BLOCK
+    starts = jnp.cumsum(gs) - gs
+    padded_starts = jnp.cumsum(padded_gs) - padded_gs
+    rows_e = _row_groups(gs, m)
+    r = jnp.arange(m)
+    dest = jnp.where(r < jnp.sum(gs), r - starts[rows_e] + padded_starts[rows_e], p)
+    return jnp.zeros((p, a_mk.shape[1]), a_mk.dtype).at[dest].set(a_mk, mode="drop"), padded_gs.astype(gs.dtype)
+
+
+def _ragged_nvfp4_grads(x, w, gs, g, key, prec):
+    k_d, k_w = jax.random.split(_derive_key(g, key))
+    gq, wq = _nvfp4_dgrad_operands(g, w, k_d, prec)  # w [E, K, N] quantized per expert along N
+    gv, fg, wv, fw = be.gemm_operands(gq, wq)  # wq holds w [E, K, N] quantized along N: wv is [E, N, K]
+    dx = jax.lax.ragged_dot(gv, wv, gs, preferred_element_type=F32)
+    dx = dx * fg * _per_row(fw, _row_groups(gs, x.shape[0]))
+    x_p, pgs = _pad_groups(x, gs)
+    g_p, _ = _pad_groups(g, gs)
+    xq, gtq = _nvfp4_wgrad_operands(x_p, g_p, k_w)
+    (xv, fx), (gtv, fgt) = be.split_scaled(xq), be.split_scaled(gtq)  # [K, P], [N, P]
+    dw = jax.lax.ragged_dot_general(xv.T, gtv.T, pgs, _RAGGED_WGRAD, preferred_element_type=F32)
+    return dx, dw * (fx * fgt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _qragged(x, w, gs, key, prec, backend):
+    return _ragged_forward(x, w, gs, prec, backend)
+
+
+def _qragged_fwd(x, w, gs, key, prec, backend):
+    return _ragged_forward(x, w, gs, prec, backend), (x, w, gs, key)
+
+
+def _qragged_bwd(prec, backend, res, g):
+    x, w, gs, key = res
+    if isinstance(w, QuantizedWeight):
+        gdt = F32 if prec.grad == "f32" else BF16
+        dx, _ = _ragged_st_grads(x, w.dequantize(F32), gs, g, gdt)
+        return dx.astype(x.dtype), None, None, None
+    if prec.grad == "nvfp4":
+        dx, dw = _ragged_nvfp4_grads(x, w, gs, g, key, prec)
+    else:
+        dx, dw = _ragged_st_grads(x, w, gs, g, F32 if prec.grad == "f32" else BF16)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None, None
+
+
+_qragged.defvjp(_qragged_fwd, _qragged_bwd)
+
+
+def qragged_dot(
+    x_mk: jax.Array,
+    w_ekn,
+    group_sizes_e: jax.Array,
+    prec: LayerPrecision,
+    *,
+    backend: str = "xla",
+    sr_key: jax.Array | None = None,
+    name: str = "",
+) -> jax.Array:
+    """Grouped (per-expert) quantized dot: rows of x_mk sorted by expert, group_sizes_e rows each -> y_mn.
+
+    Weights are quantized per expert along K (own amax / scale per expert), activations along K per row block; the
+    grouped GEMMs are jax.lax.ragged_dot on the exact block-scaled values (any backend's quantizers feed it).
+    """
+    _check_common(x_mk, w_ekn, prec, 3, "qragged_dot")
+    if x_mk.ndim != 2:
+        raise ValueError(f"qragged_dot: expected x[M, K]; got shape {x_mk.shape}")
+    if group_sizes_e.shape != (w_ekn.shape[0],) or not jnp.issubdtype(group_sizes_e.dtype, jnp.integer):
+        raise ValueError(
+            f"qragged_dot: group_sizes must be int [E={w_ekn.shape[0]}]; got {group_sizes_e.dtype} {group_sizes_e.shape}"
+        )
     if not prec.quantized:
+        if isinstance(w_ekn, QuantizedWeight):
+            raise ValueError("qragged_dot: a QuantizedWeight needs a layer precision with a weight format")
         return jax.lax.ragged_dot(x_mk, w_ekn, group_sizes_e, preferred_element_type=F32).astype(x_mk.dtype)
-    raise NotImplementedError("quantized ragged dot: see issue 2")
+    backend = be.resolve_backend(backend)
+    if backend == "te":
+        raise NotImplementedError("qragged_dot: the te backend has no grouped GEMM here; use 'xla' or 'pallas'")
+    report_nonfinite(x_mk, "qragged_dot", name)
+    return _qragged(x_mk, w_ekn, group_sizes_e, sr_key, prec, backend).astype(x_mk.dtype)
