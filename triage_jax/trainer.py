@@ -220,10 +220,14 @@ class Trainer:
         old_logp, entropy = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R)
         ref_logp = (self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, params=self.ref_params)[0]
                     if self.ref_params is not None else jnp.zeros_like(old_logp))
+        jax.block_until_ready((old_logp, ref_logp))
+        t1 = time.perf_counter()
         batch, metrics, delta = prepare_batch(
             c, input_ids=jnp.asarray(ro.input_ids), attn_mask=jnp.asarray(ro.attn_mask),
             resp_mask=jnp.asarray(ro.resp_mask), adv=jnp.asarray(ro.adv), sampler_logp=jnp.asarray(ro.sampler_logp),
             old_logp=old_logp, ref_logp=ref_logp)
+        jax.block_until_ready((batch, metrics))
+        correction_s = time.perf_counter() - t1
         upd = []
         self._updating = True
         for j in range(self.n_mini):
@@ -244,6 +248,7 @@ class Trainer:
         skipped = int(np.sum([u["skipped_update"] for u in upd]))
         total_s = time.perf_counter() - t_start
         out.update({"time/rollout": rollout_s, "time/reward": reward_s, "time/learner": learner_s,
+                    "time/learner_corrections": correction_s,
                     "time/sync": sync_s, "time/orchestration": total_s - rollout_s - reward_s - learner_s - sync_s,
                     "time/step": total_s})
         self._delta_for_hist = np.asarray(delta)[mask > 0]

@@ -1,0 +1,217 @@
+"""Qwen3 modules: KV-cache path, padding/causality, remat, prequantization, sharding metadata."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from triage_jax.models import Qwen3, get_model_config, init_kv_cache, prequantize_model
+from triage_jax.models.kv_cache import FP8, quantize_fp8_kv
+from triage_jax.quant import LayerPrecision, PrecisionPolicy, QuantizedWeight
+
+SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, initializer_range=0.1)
+SMALL_MOE = dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@functools.partial(nnx.jit, static_argnames=("policy",))
+def fwd(model, ids, mask, policy=None):
+    return model(ids, attention_mask_bt=mask, policy=policy)
+
+
+# The sampler quantizes inside jit; so does the on-the-fly forward here (XLA may rewrite `amax / 448` as a
+# reciprocal multiply, so an eager and a jitted quantization can differ in the last bit of a scale).
+jit_prequantize = nnx.jit(prequantize_model, static_argnums=1)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+    cfg = get_model_config("tiny", **(SMALL if request.param == "dense" else SMALL_MOE))
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+def _left_padded(seed=0, b=3, t=10, pads=(0, 2, 5), vocab=64):
+    ids = jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
+    mask = jnp.arange(t)[None, :] >= jnp.asarray(pads)[:, None]
+    return jnp.where(mask, ids, 0), mask
+
+
+def test_prefill_then_decode_equals_full_forward(model):
+    ids, mask = _left_padded()
+    full = fwd(model, ids, mask)
+    cache = init_kv_cache(model.cfg, 3, 16, dtype=jnp.float32)
+    step = jax.jit(lambda m, i, c, k, msk: m(i, attention_mask_bt=msk, cache=c, cache_index=k))
+    pre, cache = step(model, ids[:, :7], cache, 0, mask[:, :7])
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(pre)[real[:, :7]], np.asarray(full[:, :7])[real[:, :7]], atol=1e-5)
+    for k in range(7, 10):  # one token at a time
+        dec, cache = step(model, ids[:, k:k + 1], cache, k, mask[:, k:k + 1])
+        np.testing.assert_allclose(np.asarray(dec[:, 0]), np.asarray(full[:, k]), atol=1e-5)
+    assert np.asarray(cache.valid_bs[:, :10]).tolist() == real.tolist()
+    assert not np.asarray(cache.valid_bs[:, 10:]).any()
+
+
+def test_padding_does_not_change_real_tokens(model):
+    ids, mask = _left_padded()
+    padded = np.asarray(fwd(model, ids, mask))
+    alone = np.asarray(fwd(model, ids[2:3, 5:], jnp.ones((1, 5), bool)))  # row 2 without its 5 pads
+    assert np.isfinite(padded).all()  # pad queries see no key: finite garbage, never NaN
+    np.testing.assert_allclose(padded[2, 5:], alone[0], atol=1e-5)
+
+
+def test_causality(model):
+    ids, _ = _left_padded(pads=(0, 0, 0))
+    ones = jnp.ones(ids.shape, bool)
+    a = np.asarray(fwd(model, ids, ones))
+    b = np.asarray(fwd(model, ids.at[:, 6:].set(1), ones))
+    np.testing.assert_array_equal(a[:, :6], b[:, :6])
+    assert np.abs(a[:, 6:] - b[:, 6:]).max() > 1e-3
+
+
+def test_fp8_kv_cache_scale_is_set_by_prefill_and_clipped_after(model):
+    ids, mask = _left_padded()
+    full = np.asarray(fwd(model, ids, mask))
+    cache = init_kv_cache(model.cfg, 3, 16, kv_format="fp8", fp8_headroom=2.0)
+    assert cache.k.dtype == FP8 and float(cache.k_scale[0]) == 0.0
+    step = nnx.jit(lambda m, i, c, k, msk: m(i, attention_mask_bt=msk, cache=c, cache_index=k))
+    pre, cache = step(model, ids[:, :7], cache, 0, mask[:, :7])
+    # Scale from the real prefill tokens: amax * headroom / 448.
+    x = model.layers[0].input_norm(model.embed(ids[:, :7]))
+    from triage_jax.models.layers import apply_rope, rope_cos_sin
+    pos = jnp.maximum(jnp.cumsum(mask[:, :7], axis=1) - 1, 0)
+    cos, sin = rope_cos_sin(pos, 16, model.cfg.rope_theta, jnp.float32)
+    attn = model.layers[0].attn
+    k = apply_rope(attn.k_norm(attn.k_proj(x)), cos, sin)
+    amax = jnp.max(jnp.where(mask[:, :7, None, None], jnp.abs(k), 0))
+    np.testing.assert_allclose(float(cache.k_scale[0]), float(amax) * 2.0 / 448, rtol=1e-6)
+    scale0 = cache.k_scale
+    dec, cache = step(model, ids[:, 7:8], cache, 7, mask[:, 7:8])
+    np.testing.assert_array_equal(np.asarray(cache.k_scale), np.asarray(scale0))  # reused, not re-derived
+    real = np.asarray(mask)
+    # FP8 (3 mantissa bits) perturbs the logits a little, not the distribution.
+    assert _mean_kl(full[:, :7][real[:, :7]], np.asarray(pre)[real[:, :7]]) < 2e-3
+    assert _mean_kl(full[:, 7], np.asarray(dec[:, 0])) < 2e-3
+    # Clip before the cast: out-of-range values saturate at +-448 instead of becoming NaN.
+    q = quantize_fp8_kv(jnp.asarray([1e6, -1e6, 1.0]), jnp.float32(1.0))
+    assert np.asarray(q.astype(jnp.float32)).tolist() == [448.0, -448.0, 1.0]
+
+
+def _mean_kl(ref, new):
+    lp, lq = jax.nn.log_softmax(jnp.asarray(ref)), jax.nn.log_softmax(jnp.asarray(new))
+    return float(jnp.mean(jnp.sum(jnp.exp(lp) * (lp - lq), -1)))
+
+
+def test_cache_errors(model):
+    cache = init_kv_cache(model.cfg, 2, 8)
+    ids = jnp.zeros((2, 5), jnp.int32)
+    with pytest.raises(ValueError, match="cache overflow"):
+        model(ids, cache=cache, cache_index=4)
+    with pytest.raises(ValueError, match="cache_index"):
+        model(ids, cache=cache)
+    with pytest.raises(ValueError, match="batch"):
+        model(jnp.zeros((3, 1), jnp.int32), cache=cache, cache_index=0)
+    with pytest.raises(ValueError, match="kv_format"):
+        init_kv_cache(model.cfg, 2, 8, kv_format="int8")
+
+
+def test_prequantized_forward_is_bit_exact(model):
+    policy = PrecisionPolicy.from_spec("w4a4", act_scaling="row")
+    ids, mask = _left_padded()
+    if model.cfg.is_moe:
+        try:
+            jax.eval_shape(lambda i: model(i, policy=policy), ids)
+        except NotImplementedError:
+            pytest.skip("quantized qragged_dot not available yet")
+    q = jit_prequantize(model, policy)
+    assert isinstance(q.layers[0].attn.q_proj.kernel.get_value(), QuantizedWeight)
+    assert not isinstance(model.layers[0].attn.q_proj.kernel.get_value(), QuantizedWeight)  # original untouched
+    assert not isinstance(q.embed.embedding.get_value(), QuantizedWeight)  # embed stays high precision
+    a = np.asarray(fwd(model, ids, mask, policy))
+    b = np.asarray(fwd(q, ids, mask, policy))
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a - np.asarray(fwd(model, ids, mask))).max() > 1e-3  # quantization did something
+
+
+def test_prequantized_tied_head():
+    cfg = get_model_config("tiny", **SMALL, tie_word_embeddings=True)
+    m = Qwen3(cfg, rngs=nnx.Rngs(1))
+    # (w4a16 in float32 is not bit-exact at the qdot level itself: see the quant tests / report.)
+    policy = PrecisionPolicy(default=LayerPrecision(weight="nvfp4", act="nvfp4"),
+                             rules=(("lm_head", LayerPrecision(weight="fp8", act="fp8")),))
+    q = prequantize_model(m, policy)  # eager call: the kernels are still quantized by compiled code
+    assert isinstance(q.lm_head_kernel(), QuantizedWeight) and not isinstance(m.lm_head_kernel(), QuantizedWeight)
+    ids = jnp.arange(8)[None] % 64
+    mask = jnp.ones_like(ids, bool)
+    np.testing.assert_array_equal(np.asarray(fwd(m, ids, mask, policy)), np.asarray(fwd(q, ids, mask, policy)))
+
+
+@pytest.mark.parametrize("mode, kind", [("full", SMALL_MOE), ("save_dots", SMALL)])
+def test_remat_gives_same_loss_and_grads(mode, kind):
+    cfg = get_model_config("tiny", **kind)
+    base = Qwen3(cfg, rngs=nnx.Rngs(0))
+    rem = Qwen3(cfg.replace(remat=mode), rngs=nnx.Rngs(0))
+    ids, mask = _left_padded()
+
+    def loss(m):
+        lg, aux = m(ids, attention_mask_bt=mask, return_aux=True)
+        return jnp.mean(jax.nn.log_softmax(lg)[..., 0] * mask) + 0.01 * aux["moe_aux_loss"]
+
+    l0, g0 = nnx.jit(nnx.value_and_grad(loss))(base)
+    l1, g1 = nnx.jit(nnx.value_and_grad(loss))(rem)
+    gd, st = nnx.split(rem)
+    jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(gd, s)))(st))
+    assert jaxpr.count("checkpoint") + jaxpr.count("remat") >= cfg.num_hidden_layers
+    np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), nnx.state(g0, nnx.Param),
+                 nnx.state(g1, nnx.Param))
+
+
+def test_parameters_carry_logical_axis_names():
+    cfg = get_model_config("tiny", **SMALL_MOE, tie_word_embeddings=False)
+    specs = nnx.get_partition_spec(nnx.state(Qwen3(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    spec = lambda v: tuple(v.get_value())  # noqa: E731
+    assert spec(specs["embed"]["embedding"]) == ("vocab", "embed")
+    assert spec(specs["lm_head"]["kernel"]) == ("embed", "vocab")
+    layer = specs["layers"][0]
+    assert spec(layer["attn"]["q_proj"]["kernel"]) == ("embed", "heads", "kv")
+    assert spec(layer["attn"]["o_proj"]["kernel"]) == ("heads", "kv", "embed")
+    assert spec(layer["moe"]["router"]["kernel"]) == ("embed", "expert")
+    assert spec(layer["moe"]["experts"]["down_proj"]["kernel"]) == ("expert", "mlp", "embed")
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert all(len(tuple(v.get_value())) > 0 for v in leaves)
+
+
+def test_dtypes_and_hidden_output():
+    cfg = get_model_config("tiny", **SMALL, dtype="bfloat16", param_dtype="float32")
+    m = Qwen3(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.zeros((2, 3), jnp.int32)
+    assert m(ids).dtype == jnp.float32  # float32 logits from a bf16 forward
+    h = m(ids, return_hidden=True)
+    assert h.shape == (2, 3, 64) and h.dtype == jnp.bfloat16
+    assert m.lm_head_kernel().shape == (64, 64)
+
+
+def test_init_is_deterministic_under_a_seed():
+    cfg = get_model_config("tiny", **SMALL)
+    a, b = nnx.state(Qwen3(cfg, rngs=nnx.Rngs(3))), nnx.state(Qwen3(cfg, rngs=nnx.Rngs(3)))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_forward_under_a_mesh_with_logical_rules():
+    import flax.linen as nn
+    from jax.sharding import Mesh
+
+    cfg = get_model_config("tiny", **SMALL_MOE)
+    m = Qwen3(cfg, rngs=nnx.Rngs(0))
+    ids, mask = _left_padded()
+    ref = np.asarray(fwd(m, ids, mask))
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1), ("data", "fsdp", "tensor", "expert"))
+    rules = (("batch", ("data", "fsdp")), ("length", None), ("embed", "fsdp"), ("heads", "tensor"), ("kv", None))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        out = nnx.jit(lambda m, i, k: m(i, attention_mask_bt=k))(m, ids, mask)
+        gd, st = nnx.split(m)
+        assert "sharding_constraint" in str(jax.make_jaxpr(lambda s: nnx.merge(gd, s)(ids))(st))
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-6)

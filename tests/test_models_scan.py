@@ -1,0 +1,107 @@
+"""scan_layers=True: stacked layers under nnx.scan give the unscanned model's outputs, cache path and gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from triage_jax.models import (
+    ModelConfig, Qwen3, from_pretrained, get_model_config, init_kv_cache, prequantize_model, save_pretrained,
+)
+from triage_jax.quant import LayerPrecision, PrecisionPolicy, QuantizedWeight
+
+SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, initializer_range=0.1, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny_moe"])
+def pair(request, tmp_path_factory):
+    """The same weights as a looped and as a scanned model (through an HF checkpoint)."""
+    cfg = get_model_config(request.param, **SMALL, moe_intermediate_size=32)
+    looped = Qwen3(cfg, rngs=nnx.Rngs(0))
+    path = tmp_path_factory.mktemp("ckpt")
+    save_pretrained(looped, path)
+    return looped, from_pretrained(path, scan_layers=True)
+
+
+@functools.partial(nnx.jit, static_argnames=("policy",))
+def fwd(model, ids, mask, policy=None):
+    return model(ids, attention_mask_bt=mask, policy=policy, return_aux=True)
+
+
+def _batch():
+    ids = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+    mask = jnp.arange(9)[None, :] >= jnp.asarray([0, 3])[:, None]
+    return ids, mask
+
+
+def test_scanned_params_are_stacked_with_a_layers_axis(pair):
+    _, scanned = pair
+    kernel = scanned.layers.attn.q_proj.kernel
+    assert kernel.get_value().shape == (3, 64, 4, 16)
+    assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "kv")
+
+
+def test_scanned_forward_and_aux_equal_looped(pair):
+    looped, scanned = pair
+    ids, mask = _batch()
+    (a, aux_a), (b, aux_b) = fwd(looped, ids, mask), fwd(scanned, ids, mask)
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(b)[real], np.asarray(a)[real], atol=1e-5)
+    np.testing.assert_allclose(float(aux_b["moe_aux_loss"]), float(aux_a["moe_aux_loss"]), rtol=1e-6)
+
+
+def test_scanned_prefill_decode_equals_full_forward(pair):
+    _, scanned = pair
+    ids, mask = _batch()
+    full, _ = fwd(scanned, ids, mask)
+    step = nnx.jit(lambda m, i, c, k, msk: m(i, attention_mask_bt=msk, cache=c, cache_index=k))
+    cache = init_kv_cache(scanned.cfg, 2, 12, dtype=jnp.float32)
+    pre, cache = step(scanned, ids[:, :8], cache, 0, mask[:, :8])
+    dec, cache = step(scanned, ids[:, 8:], cache, 8, mask[:, 8:])
+    real = np.asarray(mask[:, :8])
+    np.testing.assert_allclose(np.asarray(pre)[real], np.asarray(full[:, :8])[real], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dec), np.asarray(full[:, 8:]), atol=1e-5)
+
+
+def test_scanned_remat_gradients_equal_looped(pair):
+    looped, scanned = pair
+    ids, mask = _batch()
+    scanned = nnx.merge(*nnx.split(scanned))
+    scanned.cfg = scanned.cfg.replace(remat="full")
+
+    def loss(m):
+        lg, aux = m(ids, attention_mask_bt=mask, return_aux=True)
+        return jnp.sum(jax.nn.log_softmax(lg)[..., 3] * mask) + aux["moe_aux_loss"]
+
+    ga = nnx.jit(nnx.grad(loss))(looped)
+    gb = nnx.jit(nnx.grad(loss))(scanned)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(gb.layers.attn.q_proj.kernel[...][i]),
+                                   np.asarray(ga.layers[i].attn.q_proj.kernel[...]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gb.embed.embedding[...]), np.asarray(ga.embed.embedding[...]), atol=1e-5)
+
+
+def test_scanned_prequantize_is_per_layer_and_bit_exact(pair):
+    _, scanned = pair
+    policy = PrecisionPolicy.from_spec("w4a4", act_scaling="row")
+    ids, mask = _batch()
+    q = nnx.jit(prequantize_model, static_argnums=1)(scanned, policy)
+    w = q.layers.mlp.down_proj.kernel.get_value() if q.layers.mlp is not None else \
+        q.layers.moe.experts.down_proj.kernel.get_value()
+    assert isinstance(w, QuantizedWeight) and jax.tree.leaves(w)[0].shape[0] == 3
+    np.testing.assert_array_equal(np.asarray(fwd(q, ids, mask, policy)[0]),
+                                  np.asarray(fwd(scanned, ids, mask, policy)[0]))
+
+
+def test_scan_rejects_layer_specific_policies_and_mixed_layers(pair):
+    _, scanned = pair
+    policy = PrecisionPolicy(rules=((r"layers\.1\.attn", LayerPrecision(weight="nvfp4")),))
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.q_proj"):
+        scanned(jnp.zeros((1, 4), jnp.int32), policy=policy)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=8, mlp_only_layers=(0,),
+                    scan_layers=True)

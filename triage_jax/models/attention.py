@@ -1,0 +1,65 @@
+"""Qwen3 attention: GQA, RMSNorm on q and k over head_dim before rotate-half RoPE, causal + padding masks.
+
+The projections go through the quantized dot; scores and softmax run in high precision
+(`jax.nn.dot_product_attention`: float32 logits and softmax).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from triage_jax.models import kv_cache as kvc
+from triage_jax.models.config import ModelConfig
+from triage_jax.models.layers import Linear, RMSNorm, apply_rope
+from triage_jax.models.sharding import BATCH, EMBED, HEADS, KV, LENGTH, constrain
+from triage_jax.quant import PrecisionPolicy
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        d, n, kvh, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer, self.head_dim = layer, h
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, std=cfg.initializer_range, rngs=rngs)
+        p = f"layers.{layer}.attn"
+        self.q_proj = Linear((d,), (n, h), (EMBED, HEADS, KV), f"{p}.q_proj", **kw)  # w_dnh
+        self.k_proj = Linear((d,), (kvh, h), (EMBED, HEADS, KV), f"{p}.k_proj", **kw)  # w_dkh
+        self.v_proj = Linear((d,), (kvh, h), (EMBED, HEADS, KV), f"{p}.v_proj", **kw)  # w_dkh
+        self.o_proj = Linear((n, h), (d,), (HEADS, KV, EMBED), f"{p}.o_proj", **kw)  # w_nhd
+        nkw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, (KV,), **nkw)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, (KV,), **nkw)
+
+    def __call__(self, x_btd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, mask_bts: jax.Array | None,
+                 policy: PrecisionPolicy | None = None, *, cache: kvc.KVCache | None = None, cache_index=None,
+                 new_mask_bt: jax.Array | None = None):
+        """Self-attention over the T new tokens (no cache), or over all cache slots after writing them.
+
+        mask_bts: bool [B, T, S] (S = T without a cache), True where query t may attend to key s.
+        Returns y_btd, or (y_btd, cache) when a cache is given.
+        """
+        q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd, policy)), cos_bth, sin_bth)
+        k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd, policy)), cos_bth, sin_bth)
+        v_btkh = self.v_proj(x_btd, policy)
+        if cache is not None:
+            i, hr = self.layer, cache.fp8_headroom
+            k_all, k_scale = kvc.write_layer(cache.k, cache.k_scale, i, k_btkh, new_mask_bt, cache_index, hr)
+            v_all, v_scale = kvc.write_layer(cache.v, cache.v_scale, i, v_btkh, new_mask_bt, cache_index, hr)
+            cache = cache.replace(k=k_all, v=v_all, k_scale=k_scale, v_scale=v_scale)
+            k_bskh = kvc.read_layer(k_all, k_scale, i, q_btnh.dtype)
+            v_bskh = kvc.read_layer(v_all, v_scale, i, q_btnh.dtype)
+        else:
+            k_bskh, v_bskh = k_btkh, v_btkh
+        q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
+        out_btnh = jax.nn.dot_product_attention(
+            q_btnh, k_bskh, v_bskh, mask=None if mask_bts is None else mask_bts[:, None, :, :],
+            scale=self.head_dim**-0.5,
+        )
+        y_btd = self.o_proj(out_btnh, policy)
+        return y_btd if cache is None else (y_btd, cache)
+
+
+def causal_padding_mask(q_slot_bt: jax.Array, k_slot_bs: jax.Array, k_valid_bs: jax.Array) -> jax.Array:
+    """bool [B, T, S]: key s is visible to query t iff it is valid and its slot is <= the query's slot."""
+    return (k_slot_bs[:, None, :] <= q_slot_bt[:, :, None]) & k_valid_bs[:, None, :]
+

@@ -1,0 +1,110 @@
+"""Building blocks: parameters with logical axes, the quantized linear, RMSNorm, embedding and rotate-half RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from triage_jax.quant import PrecisionPolicy, QuantizedWeight, qdot
+
+F32 = jnp.float32
+HIGH_POLICY = PrecisionPolicy()
+
+
+class QuantizedKernel(nnx.Variable):
+    """A kernel quantized once (a `quant.QuantizedWeight`): not trainable, not an `nnx.Param`."""
+
+
+def make_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], names: tuple[str | None, ...], dtype, *,
+               init: str = "normal", std: float = 0.02) -> nnx.Param:
+    """A parameter carrying its logical axis names (`out_sharding` metadata, no eager placement)."""
+    if len(names) != len(shape):
+        raise ValueError(f"make_param: {len(names)} axis names {names} for shape {shape}")
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, F32)).astype(dtype)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def policy_or_default(policy: PrecisionPolicy | None) -> PrecisionPolicy:
+    return HIGH_POLICY if policy is None else policy
+
+
+class Linear(nnx.Module):
+    """y[..., *out] = x[..., *in] @ W[*in, *out] through the quantized dot (HF's [out, in] is transposed on import).
+
+    Multi-axis in/out shapes keep heads explicit in the parameter (e.g. w_dnh for q_proj); the matmul itself is
+    always the 2D `qdot(x[..., K], w[K, N])`, so a pre-quantized kernel is stored as a 2D `QuantizedWeight`.
+    """
+
+    def __init__(self, in_dims: tuple[int, ...], out_dims: tuple[int, ...], names: tuple[str | None, ...],
+                 path: str, *, dtype: str, param_dtype: str, std: float, rngs: nnx.Rngs):
+        self.in_dims, self.out_dims, self.path, self.dtype = tuple(in_dims), tuple(out_dims), path, dtype
+        self.kernel = make_param(rngs, self.in_dims + self.out_dims, names, param_dtype, std=std)
+
+    @property
+    def kn(self) -> tuple[int, int]:
+        return math.prod(self.in_dims), math.prod(self.out_dims)
+
+    def kernel_2d(self) -> jax.Array | QuantizedWeight:
+        """The kernel as the [K, N] operand of qdot (a QuantizedWeight as is); stacked layers keep a leading L."""
+        w = self.kernel.get_value()
+        if isinstance(w, QuantizedWeight):
+            return w
+        lead = w.shape[: w.ndim - len(self.in_dims) - len(self.out_dims)]
+        return w.reshape(*lead, *self.kn).astype(self.dtype)
+
+    def __call__(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
+        policy = policy_or_default(policy)
+        n_in = len(self.in_dims)
+        if x.shape[x.ndim - n_in:] != self.in_dims:
+            raise ValueError(f"{self.path}: input {x.shape} does not end in {self.in_dims}")
+        lead = x.shape[: x.ndim - n_in]
+        y = qdot(x.reshape(*lead, self.kn[0]), self.kernel_2d(), policy.for_layer(self.path), backend=policy.backend,
+                 name=self.path)
+        return y.reshape(*lead, *self.out_dims)
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen3RMSNorm: normalize in float32, cast back to the input dtype, then multiply by the weight."""
+
+    def __init__(self, dim: int, eps: float, names: tuple[str | None, ...], *, dtype: str, param_dtype: str):
+        self.eps, self.dtype = eps, dtype
+        self.weight = make_param(None, (dim,), names, param_dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        in_dtype = x.dtype
+        x32 = x.astype(F32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(in_dtype)
+        return self.weight[...].astype(in_dtype) * y
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]; `attend` is the tied LM head's kernel view."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype: str, param_dtype: str, std: float, rngs: nnx.Rngs):
+        self.vocab, self.dtype = vocab, dtype
+        self.embedding = make_param(rngs, (vocab, dim), ("vocab", "embed"), param_dtype, std=std)
+
+    def __call__(self, ids_bt: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids_bt, axis=0).astype(self.dtype)
+
+
+def rope_cos_sin(positions_bt: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, head_dim] as HF computes them: float32 angles, duplicated halves, cast to the compute dtype."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
+    freqs = positions_bt.astype(F32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, broadcast over heads."""
+    half = x_btnh.shape[-1] // 2
+    rot = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
+    return x_btnh * cos_bth[:, :, None, :] + rot * sin_bth[:, :, None, :]

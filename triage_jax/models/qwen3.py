@@ -1,0 +1,278 @@
+"""The Qwen3 / Qwen3-MoE decoder (Flax NNX): full forward for the learner, KV-cache path for the sampler.
+
+Module paths (the strings per-layer precision rules match): "embed", "layers.{i}.attn.{q,k,v,o}_proj",
+"layers.{i}.mlp.{gate,up,down}_proj", "layers.{i}.moe.router", "layers.{i}.moe.experts.{gate,up,down}_proj",
+"layers.{i}.{input,post_attention}_norm", "final_norm", "lm_head".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from triage_jax.models.attention import Attention, causal_padding_mask
+from triage_jax.models.config import ModelConfig
+from triage_jax.models.layers import (
+    Embed, Linear, QuantizedKernel, RMSNorm, policy_or_default, rope_cos_sin,
+)
+from triage_jax.models.mlp import MLP
+from triage_jax.models.moe import GroupedLinear, MoE, load_balancing_loss
+from triage_jax.models.sharding import BATCH, EMBED, LAYERS, LENGTH, VOCAB, constrain
+from triage_jax.quant import PrecisionPolicy, QuantizedWeight, prequantize, qdot
+
+F32 = jnp.float32
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep the linear-layer outputs
+}
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        nkw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, (EMBED,), **nkw)
+        self.attn = Attention(cfg, layer, rngs=rngs)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, (EMBED,), **nkw)
+        if cfg.is_moe_layer(layer):
+            self.moe, self.mlp = MoE(cfg, layer, rngs=rngs), None
+        else:
+            self.moe, self.mlp = None, MLP(cfg, layer, rngs=rngs)
+
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, token_mask_bt, policy=None, *, cache=None,
+                 cache_index=None):
+        """Pre-norm attention and FFN residual blocks -> (x_btd, RouterStats | None, cache | None)."""
+        h_btd = self.input_norm(x_btd)
+        if cache is None:
+            a_btd = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy)
+        else:
+            a_btd, cache = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy, cache=cache,
+                                     cache_index=cache_index, new_mask_bt=token_mask_bt)
+        x_btd = x_btd + a_btd
+        h_btd = self.post_attention_norm(x_btd)
+        stats = None
+        if self.moe is not None:
+            f_btd, stats = self.moe(h_btd, policy, token_mask_bt)
+        else:
+            f_btd = self.mlp(h_btd, policy)
+        x_btd = constrain(x_btd + f_btd, (BATCH, LENGTH, EMBED))
+        return x_btd, stats, cache
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 dense / MoE causal LM. Kernels are stored [in, out]; every matmul goes through `quant.qdot`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.embed = Embed(cfg.vocab_size, cfg.hidden_size, std=cfg.initializer_range, rngs=rngs, **kw)
+        if cfg.scan_layers:
+            self.layers = _stacked_layers(cfg, rngs)  # one DecoderLayer whose variables carry a leading L axis
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, (EMBED,), **kw)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            (cfg.hidden_size,), (cfg.vocab_size,), (EMBED, VOCAB), "lm_head", std=cfg.initializer_range,
+            rngs=rngs, **kw,
+        )
+        self.tied_head_q = nnx.data(None)  # QuantizedKernel of embedding.T, set by prequantize_model for a tied head
+
+    # ------------------------------------------------------------------ LM head
+    def lm_head_kernel(self) -> jax.Array | QuantizedWeight:
+        """The LM head's kernel [D, V] (the embedding transposed when tied), or its QuantizedWeight in a
+        `prequantize_model` copy whose policy quantizes "lm_head"."""
+        if self.lm_head is not None:
+            return self.lm_head.kernel.get_value()
+        if self.tied_head_q is not None:
+            return self.tied_head_q.get_value()
+        return self.embed.embedding[...].T
+
+    def logits(self, hidden_btd: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
+        """float32 logits [..., V] of final-norm hidden states under the policy's "lm_head" precision."""
+        policy = policy_or_default(policy)
+        prec = policy.for_layer("lm_head")
+        if self.lm_head is not None:
+            w = self.lm_head.kernel_2d()
+        elif self.tied_head_q is not None:
+            w = self.tied_head_q.get_value()
+        else:
+            w = self.embed.embedding[...].T.astype(self.cfg.dtype)
+        if not prec.quantized and not isinstance(w, QuantizedWeight):
+            # The high-precision head keeps float32 logits (qdot's plain path would round them to bf16).
+            return jnp.dot(hidden_btd, w, preferred_element_type=F32)
+        return qdot(hidden_btd, w, prec, backend=policy.backend, name="lm_head").astype(F32)
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, policy=None, cache=None,
+                 cache_index=None, return_hidden=False, return_aux=False):
+        """Logits [B, T, V] float32 (or final-norm hidden states if return_hidden).
+
+        No cache: causal self-attention over the T tokens; attention_mask_bt (1 = real) hides pads, and default
+        positions are cumsum(mask) - 1 (so left padding is handled), or arange(T) without a mask.
+        With a cache: the T new tokens go to slots [cache_index, cache_index + T) of every row; queries see valid
+        slots <= their own; returns (out, new_cache). Default positions count the valid slots before each token.
+        return_aux appends {"moe_aux_loss": unscaled HF load-balancing loss (0 for dense)} to the outputs.
+        """
+        cfg = self.cfg
+        b, t = input_ids_bt.shape
+        mask_bt = (jnp.ones((b, t), bool) if attention_mask_bt is None else attention_mask_bt.astype(bool))
+        if mask_bt.shape != (b, t):
+            raise ValueError(f"attention_mask_bt {mask_bt.shape} does not match input_ids_bt {(b, t)}")
+        if cache is None:
+            if cache_index is not None:
+                raise ValueError("cache_index given without a cache")
+            slot_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            if positions_bt is None:
+                positions_bt = (slot_bt if attention_mask_bt is None
+                                else jnp.maximum(jnp.cumsum(mask_bt, axis=1) - 1, 0))
+            mask_bts = causal_padding_mask(slot_bt, slot_bt, mask_bt)
+        else:
+            if cache_index is None:
+                raise ValueError("a cache needs cache_index (the first slot the new tokens are written to)")
+            if cache.batch != b:
+                raise ValueError(f"cache batch {cache.batch} != input batch {b}")
+            if isinstance(cache_index, int) and cache_index + t > cache.max_len:
+                raise ValueError(f"cache overflow: slots [{cache_index}, {cache_index + t}) exceed the cache "
+                                 f"length {cache.max_len}")
+            idx = jnp.asarray(cache_index, jnp.int32)
+            slot_s = jnp.arange(cache.max_len, dtype=jnp.int32)
+            if positions_bt is None:
+                prior_b = jnp.sum(cache.valid_bs & (slot_s[None, :] < idx), axis=1)
+                positions_bt = prior_b[:, None] + jnp.maximum(jnp.cumsum(mask_bt, axis=1) - 1, 0)
+            valid_bs = jax.lax.dynamic_update_slice(cache.valid_bs, mask_bt, (jnp.int32(0), idx))
+            cache = cache.replace(valid_bs=valid_bs)
+            slot_bt = jnp.broadcast_to(idx + jnp.arange(t, dtype=jnp.int32), (b, t))
+            mask_bts = causal_padding_mask(slot_bt, jnp.broadcast_to(slot_s, (b, cache.max_len)), valid_bs)
+        if positions_bt.shape != (b, t):
+            raise ValueError(f"positions_bt {positions_bt.shape} does not match input_ids_bt {(b, t)}")
+
+        x_btd = constrain(self.embed(input_ids_bt), (BATCH, LENGTH, EMBED))
+        cos_bth, sin_bth = rope_cos_sin(positions_bt, cfg.head_dim, cfg.rope_theta, x_btd.dtype)
+        stats = []
+        if cfg.scan_layers:
+            x_btd, st, cache = _scan_layers(self.layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg,
+                                            cache, cache_index)
+            if st is not None:
+                stats.append(jax.tree.map(lambda a: jnp.sum(a, axis=0), st))  # pooled over layers, as HF does
+        else:
+            for layer in self.layers:
+                if cache is None and cfg.remat != "none":
+                    x_btd, st = _remat_layer(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg.remat)
+                else:
+                    x_btd, st, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
+                                             cache_index=cache_index)
+                if st is not None:
+                    stats.append(st)
+        h_btd = self.final_norm(x_btd)
+        out = h_btd if return_hidden else self.logits(h_btd, policy)
+        outputs = (out,) if cache is None else (out, cache)
+        if return_aux:
+            outputs += ({"moe_aux_loss": load_balancing_loss(stats, max(cfg.num_experts, 1))},)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _remat_layer(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, mode):
+    def body(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt):
+        x_btd, st, _ = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy)
+        return x_btd, st
+
+    return nnx.remat(body, policy=REMAT_POLICIES[mode])(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt)
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """num_hidden_layers DecoderLayers as one module with a leading "layers" axis (for nnx.scan).
+
+    Their module paths read "layers.0..."; `check_uniform_policy` makes sure the policy treats every layer alike.
+    """
+
+    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def make(rngs):
+        return DecoderLayer(cfg, 0, rngs=rngs)
+
+    return make(rngs)
+
+
+_LAYER_PATHS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                "mlp.down_proj", "moe.router", "moe.experts.gate_proj", "moe.experts.up_proj",
+                "moe.experts.down_proj", "input_norm", "post_attention_norm")
+
+
+@functools.lru_cache(maxsize=64)
+def check_uniform_policy(policy: PrecisionPolicy | None, num_layers: int) -> None:
+    """Scanned layers share one traced body, so every layer must get the precision layer 0 gets."""
+    policy = policy_or_default(policy)
+    for sub in _LAYER_PATHS:
+        p0 = policy.for_layer(f"layers.0.{sub}")
+        for i in range(1, num_layers):
+            if policy.for_layer(f"layers.{i}.{sub}") != p0:
+                raise ValueError(f"scan_layers=True needs one precision for all layers; the policy gives "
+                                 f"layers.{i}.{sub} a different one than layers.0.{sub}")
+
+
+def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg, cache, cache_index):
+    check_uniform_policy(policy, cfg.num_hidden_layers)
+    if cache is None:
+        def body(layer, x_btd):
+            x_btd, st, _ = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy)
+            return x_btd, st
+
+        if cfg.remat != "none":
+            body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat])
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def step(x_btd, layer):
+            x_btd, st = body(layer, x_btd)
+            return x_btd, st
+
+        x_btd, st = step(x_btd, layers)
+        return x_btd, st, None
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+    def step_cached(x_btd, layer, kv):
+        # A one-layer view of the cache (the scanned attention modules all have layer index 0).
+        one = cache.replace(k=kv[0][None], v=kv[1][None], k_scale=kv[2][None], v_scale=kv[3][None])
+        x_btd, st, one = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=one,
+                               cache_index=cache_index)
+        return x_btd, (st, (one.k[0], one.v[0], one.k_scale[0], one.v_scale[0]))
+
+    x_btd, (st, (k, v, ks, vs)) = step_cached(x_btd, layers, (cache.k, cache.v, cache.k_scale, cache.v_scale))
+    return x_btd, st, cache.replace(k=k, v=v, k_scale=ks, v_scale=vs)
+
+
+def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
+    """A copy whose quantized-weight linear kernels are `QuantizedWeight`s, quantized once (for the sampler).
+
+    The copy shares the untouched arrays with `model` (no copy of the high-precision weights); its forward under
+    the same policy equals the on-the-fly quantized forward bit for bit.
+    """
+    graphdef, state = nnx.split(model)
+    new = nnx.merge(graphdef, state)
+    stacked = model.cfg.scan_layers
+    if stacked:
+        check_uniform_policy(policy, model.cfg.num_hidden_layers)
+    for path, node in nnx.iter_graph(new):
+        if not isinstance(node, (Linear, GroupedLinear)):
+            continue
+        prec = policy.for_layer(node.path)
+        if prec.weight == "none" or isinstance(node.kernel.get_value(), QuantizedWeight):
+            continue
+        w = node.kernel_2d() if isinstance(node, Linear) else node.kernel.get_value().astype(node.dtype)
+        per_layer = stacked and bool(path) and path[0] == "layers"
+        node.kernel = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, per_layer))
+    prec = policy.for_layer("lm_head")
+    if new.lm_head is None and prec.weight != "none":
+        w = new.embed.embedding[...].T.astype(new.cfg.dtype)
+        new.tied_head_q = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, False))
+    return new
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_kernel(w, prec, backend: str, per_layer: bool):
+    """Quantize one kernel, always compiled: the forward quantizes on the fly inside jit, and XLA may compile
+    `amax / 448` as a reciprocal multiply, so an eager quantization could differ from it in a scale's last bit."""
+    quantize = functools.partial(prequantize, prec=prec, backend=backend)
+    return jax.vmap(quantize)(w) if per_layer else quantize(w)  # stacked: one scale per layer, as scan sees it

@@ -1,0 +1,23 @@
+"""Logical axis names of the model's parameters and activations.
+
+Parameters carry their logical names as `out_sharding` metadata (read them with `nnx.get_partition_spec`; stacked
+layers add a leading "layers" axis); the one logical -> mesh table lives in `triage_jax.sharding`. Activations
+go through `constrain`, a no-op unless flax logical-axis rules and a mesh are active.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+BATCH, LENGTH = "batch", "length"
+EMBED = "embed"
+HEADS = "heads"  # attention heads (query heads, and kv heads in k/v projections)
+KV = "kv"  # the per-head dimension (head_dim), as in MaxText's ("embed", "heads", "kv") kernels
+MLP, EXPERT, VOCAB = "mlp", "expert", "vocab"
+LAYERS = "layers"  # the stacked-layer axis of scan_layers=True
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Annotate an activation with logical axis names (no-op without active rules and mesh)."""
+    return nn.with_logical_constraint(x, names)

@@ -1,0 +1,188 @@
+"""Mismatch probe: sample with the sampler's precision, recompute log-probs with the learner's, report the gap.
+
+    python -m triage_jax.tools.mismatch --config=tiny --learner=bf16 --sampler=w4a4 [--kv=fp8] [--num_prompts=8]
+
+delta = learner log-prob - sampler log-prob per response token (spec rl_math.md). Prompts are synthetic math
+problems (character tokenizer; a checkpoint's own tokenizer.json with --checkpoint), or random token ids with
+--prompts=random. Responses are scored with the DAPO reward and grouped (--group_size samples per prompt) to give
+the advantages of the quadrant metrics; a random-init model answers nothing right, so those are NaN (empty
+denominators) there, and random prompts (nothing to score) use advantage 1 for every response. Prints a table of every diagnostic of `triage_jax.rl.mismatch_metrics` and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from triage_jax import models
+from triage_jax.logprobs import response_logprobs
+from triage_jax.quant import PRESETS, PrecisionPolicy
+from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m triage_jax.tools.mismatch", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny", help="model preset (triage_jax.models.get_model_config)")
+    p.add_argument("--checkpoint", default=None, help="HF checkpoint folder (config.json + safetensors)")
+    p.add_argument("--learner", default="bf16", choices=sorted(PRESETS), help="learner precision preset")
+    p.add_argument("--sampler", default="w4a4", choices=sorted(PRESETS), help="sampler precision preset")
+    p.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="sampler KV-cache format")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="compute dtype")
+    p.add_argument("--num_prompts", type=int, default=8)
+    p.add_argument("--group_size", type=int, default=2, help="responses per prompt (GRPO group)")
+    p.add_argument("--prompts", default="synthetic", choices=("synthetic", "random"))
+    p.add_argument("--prompt_len", type=int, default=32, help="length of random prompts")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--vocab_chunk", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("num_prompts", "group_size", "prompt_len", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+    return args
+
+
+def build_model(args):
+    """The model in the compute dtype: random init from a preset, or an HF checkpoint."""
+    if args.checkpoint:
+        return models.from_pretrained(args.checkpoint, dtype=args.dtype)
+    cfg = models.get_model_config(args.config, dtype=args.dtype)
+    return models.Qwen3(cfg, rngs=nnx.Rngs(args.seed))
+
+
+def _tokenizer(args, vocab_size: int):
+    """The prompt tokenizer: the checkpoint's tokenizer.json, or characters for a preset; None if unusable."""
+    try:
+        from triage_jax import data
+    except ImportError:
+        return None, "triage_jax.data is not available"
+    if args.checkpoint:
+        try:
+            tok = data.load_tokenizer(args.checkpoint)
+        except (FileNotFoundError, ValueError) as e:
+            return None, f"no usable tokenizer in {args.checkpoint} ({e})"
+    else:
+        tok = data.CharTokenizer()
+    if tok.vocab_size > vocab_size:
+        return None, f"the tokenizer's vocabulary ({tok.vocab_size}) exceeds the model's ({vocab_size})"
+    return tok, None
+
+
+def make_prompts(args, vocab_size: int):
+    """(token-id prompts, ground truths or None, tokenizer or None, pad id, stop ids)."""
+    if args.prompts == "synthetic":
+        tok, why = _tokenizer(args, vocab_size)
+        if tok is not None:
+            from triage_jax.data import synthetic_examples
+
+            examples = synthetic_examples(args.num_prompts, seed=args.seed)
+            prompts = [tok.encode_prompt(ex.prompt) for ex in examples]
+            return prompts, [ex.ground_truth for ex in examples], tok, tok.pad_id, tuple(tok.eos_ids)
+        print(f"mismatch: {why}; using random prompts of {args.prompt_len} tokens", file=sys.stderr)
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(1, vocab_size, args.prompt_len).tolist() for _ in range(args.num_prompts)]
+    return prompts, None, None, 0, ()
+
+
+def advantages(responses_bn, mask_bn, truths, tok, group_size):
+    """GRPO group advantages of the scored responses; ones for random prompts (nothing to score: every token then
+    counts as positive-advantage in the quadrant metrics)."""
+    n = responses_bn.shape[0]
+    if truths is None:
+        return jnp.ones((n,), jnp.float32), None
+    from triage_jax.data import score_batch
+    from triage_jax.rl import group_advantages
+
+    texts = [tok.decode(r[m]) for r, m in zip(np.asarray(responses_bn), np.asarray(mask_bn))]
+    scored = score_batch(texts, [t for t in truths for _ in range(group_size)])
+    # A group of one has no spread to normalize by (Dr. GRPO centering only; its advantage is then 0).
+    return group_advantages(scored.rewards, group_size, std_normalize=group_size > 1), scored
+
+
+HEADLINE = ("mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token")
+
+
+def diagnostics(adv_n, delta_bn, mask_bn) -> dict[str, float]:
+    """rl.mismatch_metrics (headline metrics first), or mean |delta| and its quantiles without triage_jax.rl."""
+    try:
+        from triage_jax.rl import mismatch_metrics
+    except ImportError:
+        mismatch_metrics = None
+    if mismatch_metrics is not None:
+        m = {k: float(v) for k, v in mismatch_metrics(adv_n, delta_bn, mask_bn.astype(jnp.float32)).items()}
+        return {**{k: m[k] for k in HEADLINE if k in m}, **{k: v for k, v in m.items() if k not in HEADLINE}}
+    d = np.asarray(delta_bn)[np.asarray(mask_bn)]
+    q05, q50, q95 = np.quantile(d, [0.05, 0.5, 0.95])
+    return {"mean_abs_delta": float(np.abs(d).mean()), "delta_q05": q05, "delta_q50": q50, "delta_q95": q95}
+
+
+def run(args) -> dict:
+    model = build_model(args)
+    vocab = model.cfg.vocab_size
+    prompts, truths, tok, pad_id, stop_ids = make_prompts(args, vocab)
+    prompts = [p for p in prompts for _ in range(args.group_size)]
+    learner_policy = PrecisionPolicy.from_spec(args.learner)
+    s_policy = sampler_policy(args.sampler, kv_cache=args.kv)
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                         top_k=args.top_k, stop_ids=stop_ids)
+
+    t0 = time.perf_counter()
+    sampler_model = prepare_model(model, s_policy)
+    out = generate(sampler_model, prompts, cfg, policy=s_policy, key=jax.random.key(args.seed), pad_id=pad_id)
+    out.tokens.block_until_ready()
+    t_sample = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    learner_logp = jax.jit(
+        lambda gd, st, *a: response_logprobs(nnx.merge(gd, st), *a, policy=learner_policy,
+                                             temperature=args.temperature, vocab_chunk=args.vocab_chunk),
+        static_argnums=0,
+    )(*nnx.split(model), out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    learner_logp.block_until_ready()
+    t_learn = time.perf_counter() - t0
+
+    delta = jnp.where(out.mask, learner_logp - out.logprobs, 0.0)
+    adv, scored = advantages(out.tokens, out.mask, truths, tok, args.group_size)
+    if not bool(jnp.any(adv != 0)):
+        print("mismatch: every group scored alike, so all advantages are 0 and the advantage-weighted metrics "
+              "(quadrant masses, rho_asym, tail shares) are NaN", file=sys.stderr)
+    metrics = diagnostics(adv, delta, out.mask)
+    return {
+        "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
+        "dtype": args.dtype, "responses": len(prompts), "response_tokens": int(out.mask.sum()),
+        "mean_response_len": float(out.lengths.mean()),
+        "accuracy": None if scored is None else float(scored.accuracy.mean()),
+        "sample_s": round(t_sample, 3), "learner_s": round(t_learn, 3), **metrics,
+    }
+
+
+def format_table(result: dict) -> str:
+    width = max(len(k) for k in result)
+    lines = []
+    for k, v in result.items():
+        if isinstance(v, float) and not math.isnan(v):
+            v = f"{v:.6g}"
+        lines.append(f"{k:<{width}}  {v}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(format_table(result))
+    print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
