@@ -20,7 +20,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from triage_jax import sharding as shd
-from triage_jax.logprobs import chunked_logprobs, default_positions
+from triage_jax.logprobs import response_logprobs
 from triage_jax.quant import PrecisionPolicy
 from triage_jax.rl import corrections as corr
 from triage_jax.rl import diagnostics, grpo
@@ -52,18 +52,12 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
 
-def response_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temperature, vocab_chunk):
-    """Teacher-forced log-probs, entropies and the MoE load-balancing loss of the last `resp_len` tokens.
-
-    Returns (logp [N, R], entropy [N, R], aux scalar). Only response positions go through the LM head.
-    """
-    inputs, am = input_ids[:, :-1], attn_mask[:, :-1]
-    h_btd, aux = model(inputs, default_positions(am), am, policy=policy, return_hidden=True, return_aux=True)
-    targets = input_ids[:, -resp_len:]
-    logp, ent = chunked_logprobs(h_btd[:, -resp_len:], model.lm_head_kernel(), targets, policy=policy,
-                                 temperature=temperature, vocab_chunk=vocab_chunk, return_entropy=True)
-    real = attn_mask[:, -resp_len:]
-    return jnp.where(real, logp, 0.0), jnp.where(real, ent, 0.0), aux["moe_aux_loss"]
+def batch_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temperature, vocab_chunk):
+    """(logp [N, R], entropy [N, R], MoE aux loss) of the response part of [prompt (P) | response (R)] rows."""
+    p = input_ids.shape[1] - resp_len
+    return response_logprobs(model, input_ids[:, :p], attn_mask[:, :p], input_ids[:, p:], attn_mask[:, p:],
+                             policy=policy, temperature=temperature, vocab_chunk=vocab_chunk, return_entropy=True,
+                             return_aux=True)
 
 
 def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
@@ -129,7 +123,7 @@ def correction_config(c: ml_collections.ConfigDict):
 
 def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, tokens, s: LossSettings, policy):
     """Loss contribution of one micro-batch: its sums over the mini-batch denominators (exact accumulation)."""
-    logp, _, aux = response_logprobs(model, mb.input_ids, mb.attn_mask, mb.resp_len, policy=policy,
+    logp, _, aux = batch_logprobs(model, mb.input_ids, mb.attn_mask, mb.resp_len, policy=policy,
                                      temperature=s.temperature, vocab_chunk=s.vocab_chunk)
     pl_sum, _, m = grpo.policy_loss(logp, mb.old_logp, mb.adv, mb.loss_mask, eps_low=s.eps_low,
                                     eps_high=s.eps_high, dual_clip=s.dual_clip, weights=mb.weights, agg=s.agg,
@@ -155,7 +149,10 @@ def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, tokens, s: LossS
 class Learner:
     """Holds the sharded parameters and optimizer state; compiles recompute and update once per shape."""
 
-    def __init__(self, model: nnx.Module, c: ml_collections.ConfigDict, *, mesh=None, total_steps: int = 1):
+    def __init__(self, model: nnx.Module, c: ml_collections.ConfigDict, *, mesh=None, total_steps: int = 1,
+                 abstract: bool = False):
+        """abstract=True (with a model from `nnx.eval_shape`): params and optimizer state are sharded
+        ShapeDtypeStructs, nothing is allocated; use `lower_update` / `lower_logprobs` (the memory dry-run)."""
         self.cfg = c
         self.mesh = mesh if mesh is not None else shd.make_mesh(c.mesh.to_dict())
         self.rules = shd.DEFAULT_RULES
@@ -164,9 +161,18 @@ class Learner:
         self.micro = c.rl.micro_batch
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.param_shardings = shd.state_shardings(params, self.mesh, self.rules)
-        self.params = jax.device_put(params, self.param_shardings)
         self.tx = make_optimizer(c.optim, total_steps)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
+        # Moments shard like their parameters (jit alone would replicate tx.init's zeros on every device).
+        self.opt_shardings = shd.optimizer_shardings(jax.eval_shape(self.tx.init, params), params,
+                                                     self.param_shardings, self.mesh)
+        if abstract:
+            self.params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                                       self.param_shardings)
+            self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                          jax.eval_shape(self.tx.init, params), self.opt_shardings)
+        else:
+            self.params = jax.device_put(params, self.param_shardings)
+            self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
         self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(3,))
 
@@ -186,7 +192,7 @@ class Learner:
 
         def one(args):
             ids, am = args
-            logp, ent, _ = response_logprobs(model, ids, am, resp_len, policy=self.policy,
+            logp, ent, _ = batch_logprobs(model, ids, am, resp_len, policy=self.policy,
                                              temperature=self.settings.temperature,
                                              vocab_chunk=self.settings.vocab_chunk)
             return logp, ent
@@ -201,7 +207,8 @@ class Learner:
         if input_ids.shape[0] % self.micro and input_ids.shape[0] > self.micro:
             raise ValueError(f"batch {input_ids.shape[0]} is not a multiple of rl.micro_batch={self.micro}")
         ids, am = self.shard_batch((input_ids, attn_mask))
-        return self._logprobs(self.params if params is None else params, ids, am, resp_len)
+        with jax.set_mesh(self.mesh):  # the active mesh turns on mesh-aware layers (MoE expert parallelism)
+            return self._logprobs(self.params if params is None else params, ids, am, resp_len)
 
     # ------------------------------------------------------------------------------------------ update
     def _update_impl(self, params, opt_state, mb_all: RolloutBatch, step):
@@ -257,8 +264,25 @@ class Learner:
         if mb.num % self.micro:
             raise ValueError(f"mini-batch of {mb.num} responses is not a multiple of rl.micro_batch={self.micro}")
         mb = self.shard_batch(mb)
-        self.params, self.opt_state, out = self._update(self.params, self.opt_state, mb, jnp.int32(step))
+        with jax.set_mesh(self.mesh):
+            self.params, self.opt_state, out = self._update(self.params, self.opt_state, mb, jnp.int32(step))
         return out
+
+    # ------------------------------------------------------------------------------------------ dry-run
+    def abstract_batch(self, n: int, prompt_len: int, resp_len: int) -> RolloutBatch:
+        """A sharded ShapeDtypeStruct RolloutBatch of n responses of [prompt_len | resp_len] tokens."""
+        s = prompt_len + resp_len
+        shapes = dict(input_ids=((n, s), jnp.int32), attn_mask=((n, s), jnp.bool_), resp_mask=((n, resp_len), F32),
+                      adv=((n,), F32), sampler_logp=((n, resp_len), F32), old_logp=((n, resp_len), F32),
+                      ref_logp=((n, resp_len), F32), weights=((n, resp_len), F32), loss_mask=((n, resp_len), F32))
+        return RolloutBatch(**{k: jax.ShapeDtypeStruct(shape, dt, sharding=shd.batch_sharding(
+            self.mesh, len(shape), self.rules)) for k, (shape, dt) in shapes.items()})
+
+    def lower_update(self, n: int, prompt_len: int, resp_len: int):
+        """The update of an n-response mini-batch lowered for the mesh (jax.stages.Lowered; compile() it)."""
+        with jax.set_mesh(self.mesh):
+            return self._update.lower(self.params, self.opt_state, self.abstract_batch(n, prompt_len, resp_len),
+                                      jax.ShapeDtypeStruct((), jnp.int32))
 
 
 def prepare_batch(c: ml_collections.ConfigDict, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp,
