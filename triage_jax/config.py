@@ -69,9 +69,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.learner.vocab_chunk = 0  # 0: no chunking of the LM head log-softmax
 
     c.rl = ml_collections.ConfigDict()
-    c.rl.num_prompts = 16  # prompts per rollout batch
+    c.rl.num_prompts = 32  # prompts per rollout batch
     c.rl.group_size = 8  # responses per prompt (G)
-    c.rl.mini_batch = 64  # responses per optimizer update
+    c.rl.mini_batch = 128  # responses per optimizer update
     c.rl.micro_batch = 64  # responses per gradient-accumulation micro-batch
     c.rl.eps_low = 0.2
     c.rl.eps_high = 0.28
