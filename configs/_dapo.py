@@ -43,4 +43,5 @@ def dapo_config(preset: str):
     c.mesh.fsdp = 8
     if preset.startswith("qwen3_30b"):
         c.mesh.fsdp, c.mesh.expert = 8, 8  # experts sharded over the expert axis as well
+        c.rl.micro_batch = 64  # the batch splits over fsdp*expert = 64 devices: one response each
     return c

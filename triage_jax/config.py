@@ -176,10 +176,15 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
               f"num_prompts*group_size = {rl.num_prompts}*{rl.group_size} = {batch}")
     if rl.mini_batch % rl.micro_batch:
         _fail("rl.micro_batch", f"{rl.micro_batch} does not divide rl.mini_batch = {rl.mini_batch}")
-    data_axes = c.mesh.data * c.mesh.fsdp
+    from triage_jax.sharding import batch_axes
+
+    axes = batch_axes()
+    data_axes = 1
+    for a in axes:
+        data_axes *= int(c.mesh[a])
     if rl.micro_batch % data_axes:
-        _fail("rl.micro_batch", f"{rl.micro_batch} is not divisible by the data axes mesh.data*mesh.fsdp = "
-              f"{c.mesh.data}*{c.mesh.fsdp} = {data_axes}")
+        _fail("rl.micro_batch", f"{rl.micro_batch} is not divisible by the mesh axes the batch is split over "
+              f"({'*'.join(f'mesh.{a}={c.mesh[a]}' for a in axes)} = {data_axes})")
     if not 0 <= rl.eps_low < 1 or rl.eps_high < 0:
         _fail("rl.eps_low", f"clip range eps_low={rl.eps_low}, eps_high={rl.eps_high} is invalid")
     if rl.dual_clip and rl.dual_clip <= 1:

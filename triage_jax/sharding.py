@@ -76,3 +76,21 @@ def state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
 def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
     """Sharding of a [batch, ...] array: batch over the data-parallel axes, the rest replicated."""
     return NamedSharding(mesh, logical_to_mesh(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def optimizer_shardings(opt_state: Any, params: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings of an optimizer state: every sub-tree shaped like the parameters (Adam's moments, ...) takes
+    the parameters' shardings, the rest (step counts, flags) is replicated."""
+    params_def = jax.tree.structure(params)
+    replicated = NamedSharding(mesh, P())
+
+    def like_params(x) -> bool:
+        return not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and jax.tree.structure(x) == params_def
+
+    return jax.tree.map(lambda x: param_shardings if like_params(x) else replicated, opt_state, is_leaf=like_params)
+
+
+def batch_axes(rules=DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes the batch dimension is split over (per the rules table)."""
+    target = dict(rules).get("batch")
+    return (target,) if isinstance(target, str) else tuple(target or ())
