@@ -30,6 +30,7 @@ def small_config(tmp_path, **over):
     c.rl.overlong_buffer = 8  # ...and length shaping gives its equally wrong responses distinct rewards
     c.train.steps = 4
     c.train.ckpt_every = 2
+    c.train.energy_every = 2
     c.train.progress = False
     c.sampler.max_new_tokens = 12
     c.rl.max_response_len = 12
@@ -55,11 +56,13 @@ def test_run_writes_logs_checkpoint_summary(tmp_path):
             assert k in m, k
         assert np.isfinite(m["learner/loss"]) and np.isfinite(m["mismatch/mean_abs_delta"])
         assert m["mismatch/mean_abs_delta"] > 0  # W4A4 sampler vs BF16 learner always disagree a little
+    assert [("mismatch/delta_energy_realized" in m) for m in hist] == [True, False, True, False]
     assert tr.ckpt.all_steps() == [2, 4]
     assert os.listdir(os.path.join(c.run_dir, "tb"))
     s = tr.summary()
     assert "reward/mean" in s["metrics"]
     assert json.load(open(os.path.join(c.run_dir, "summary.json")))["steps"] == 4
+    assert json.load(open(os.path.join(c.run_dir, "config.json")))["rl"]["group_size"] == 4
 
 
 def test_resume_is_exact(tmp_path):
@@ -69,11 +72,13 @@ def test_resume_is_exact(tmp_path):
     resumed = Trainer(c)
     assert resumed.restore() and resumed.step == 2
     rest = resumed.run(resume=False)
-    keys = [k for k in full[0] if not k.startswith("time/")]
+    def untimed(m):
+        return {k: v for k, v in m.items() if not k.startswith("time/")}
+
     assert len(rest) == len(full)
     for a, b in zip(full[2:], rest[2:]):
         # Bit-identical, NaN (an empty diagnostic denominator) included.
-        np.testing.assert_equal({k: a[k] for k in keys}, {k: b[k] for k in keys})
+        np.testing.assert_equal(untimed(a), untimed(b))
 
 
 def test_nonfinite_streak(tmp_path):

@@ -119,7 +119,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.ckpt_every = 10
     c.train.keep_checkpoints = 3
     c.train.max_nonfinite = 3  # consecutive non-finite updates before the run stops
-    c.train.eval_every = 0
+    c.train.energy_every = 10  # steps between delta_energy_realized measurements (a second learner forward); 0: off
     c.train.progress = True
 
     c.mesh = ml_collections.ConfigDict()

@@ -82,6 +82,8 @@ class Trainer:
         self.progress = c.train.progress if progress is None else progress
         self.run_dir = os.path.abspath(c.run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+            f.write(c.to_json(indent=2))  # what this run was, for notebooks and tools/eval
         self.tok = load_tokenizer(tokenizer_path(c))
         self.source = build_source(c)
         self.model_cfg = build_model_config(c, self.tok.vocab_size)
@@ -235,6 +237,12 @@ class Trainer:
             mb = jax.tree.map(lambda x: x[sl], batch)
             upd.append(self.learner.update(mb, self.step * self.n_mini + j))
         upd = jax.device_get(upd)
+        energy = None
+        if c.train.energy_every and self.step % c.train.energy_every == 0:
+            # rl_math.md delta_energy_realized: D after the update minus D before, same tokens, second forward.
+            new_logp, _ = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R)
+            delta_after = jnp.where(batch.resp_mask > 0, new_logp - batch.sampler_logp, 0.0)
+            energy = float(diagnostics.delta_energy_realized(delta, delta_after, batch.resp_mask))
         learner_s = time.perf_counter() - t0
 
         sync_s = self._sync()
@@ -243,6 +251,8 @@ class Trainer:
         mask = np.asarray(ro.resp_mask)
         out["entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
         out.update({k: float(v) for k, v in jax.device_get(metrics).items()})
+        if energy is not None:
+            out["mismatch/delta_energy_realized"] = energy
         for k in upd[0]:
             out[f"learner/{k}"] = float(np.mean([u[k] for u in upd]))
         skipped = int(np.sum([u["skipped_update"] for u in upd]))

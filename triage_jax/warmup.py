@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -113,5 +114,8 @@ def warm_start(c: ml_collections.ConfigDict, model_cfg, tok, source: SyntheticMa
     # Write beside, then rename: a crash never leaves a half-written cache entry that looks complete.
     tmp = f"{path}.tmp{os.getpid()}"
     models.save_pretrained(model, tmp)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process cached the same warm-up first: keep its copy (same settings, same bits)
+        shutil.rmtree(tmp, ignore_errors=True)
     return model

@@ -1,0 +1,347 @@
+"""The TRIAGE comparison at CPU scale: GRPO on the synthetic math task under each mismatch treatment, over seeds.
+
+    python experiments/stability.py [--quick] [--config tiny] [--steps 40] [--seeds 0,1,2] [--arms ...]
+        [--out_dir runs/stability] [--results experiments/results] [--figures experiments/figures]
+        [--set rl.num_prompts=4 --set optim.lr=3e-4 ...]
+
+Arms (spec rl_math.md; every NVFP4 arm samples with the W4A4 NVFP4 sampler against the BF16 learner):
+  bf16              BF16 sampler, no correction (the mismatch-free reference)
+  nvfp4             NVFP4 sampler, no correction
+  nvfp4_tis         NVFP4 + token-level TIS, C = 2
+  nvfp4_triage      NVFP4 + TRIAGE (gate + bounded repair)
+  triage_no_repair  ablation: TRIAGE with lambda_rep = 0
+  tis_from_branch   ablation: the nvfp4 run's checkpoint at --branch_step, continued with TIS switched on
+
+Arms run one after another in this process, seed by seed; all seeds start from one cached supervised warm-up
+(seed --warmup_seed). Each run's TensorBoard logs, checkpoints and history.json go under
+out_dir/<arm>/seed<k>; the curves (mean over seeds, shaded min..max) and the results table with each arm's
+final avg@n / pass@k on held-out problems go to --figures and --results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from experiments import common  # noqa: E402
+
+ARMS = {
+    "bf16": {"sampler.precision": "bf16", "rl.correction": "none"},
+    "nvfp4": {"sampler.precision": "w4a4", "rl.correction": "none"},
+    "nvfp4_tis": {"sampler.precision": "w4a4", "rl.correction": "token_tis", "rl.tis_c": 2.0},
+    "nvfp4_triage": {"sampler.precision": "w4a4", "rl.correction": "triage"},
+    "triage_no_repair": {"sampler.precision": "w4a4", "rl.correction": "triage", "rl.triage.lambda_rep": 0.0},
+    "tis_from_branch": {"sampler.precision": "w4a4", "rl.correction": "token_tis", "rl.tis_c": 2.0},
+}
+BRANCH_PARENT = {"tis_from_branch": "nvfp4"}
+
+# Plotted against step: (history key, axis label).
+CURVES = (
+    ("reward/mean", "reward (DAPO, +-1)"),
+    ("mismatch/mean_abs_delta", "mean |delta|"),
+    ("mismatch/rho_asym", "rho_asym (A-d- / A+d+ mass)"),
+    ("mismatch/delta_q05", "delta 5% quantile"),
+    ("mismatch/tail_persistence", "tail persistence (x chance)"),
+    ("reward/accuracy", "rollout accuracy"),
+)
+
+# Settings shared by every arm. segment_len 8: the tiny task's responses are <= 24 tokens, so the spec's 64-token
+# segments would hold a whole response and tail persistence (adjacent segments) would be undefined.
+COMMON = {"rl.triage.segment_len": 8, "train.progress": False}
+
+DEFAULTS = dict(steps=40, seeds="0,1,2", num_prompts=8, group_size=8, eval_problems=64, eval_n=8, ks="1,8")
+QUICK = dict(steps=4, seeds="0,1,2", num_prompts=4, group_size=4, eval_problems=16, eval_n=4, ks="1,4")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"a few-minute smoke run: {QUICK}")
+    p.add_argument("--config", default="tiny", help="base config (configs/NAME.py or a path)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {list(ARMS)}")
+    p.add_argument("--steps", type=int, default=None, help=f"GRPO steps per run (default {DEFAULTS['steps']})")
+    p.add_argument("--seeds", default=None, help=f"comma-separated RL seeds (default {DEFAULTS['seeds']})")
+    p.add_argument("--num_prompts", type=int, default=None, help="prompts per rollout batch")
+    p.add_argument("--group_size", type=int, default=None, help="responses per prompt")
+    p.add_argument("--branch_step", type=int, default=None, help="where tis_from_branch leaves nvfp4 (default steps/2)")
+    p.add_argument("--eval_problems", type=int, default=None, help="held-out problems for the final avg@n")
+    p.add_argument("--eval_n", type=int, default=None, help="samples per problem (avg@n)")
+    p.add_argument("--ks", default=None, help="k values of pass@k (each <= eval_n)")
+    p.add_argument("--eval_top_p", type=float, default=0.7, help="nucleus sampling of the eval (DAPO: 0.7)")
+    p.add_argument("--eval_reward", default="math_verify", choices=("math_verify", "dapo"))
+    p.add_argument("--warmup_seed", type=int, default=0, help="the seed whose cached warm-up every run starts from")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override applied to every arm (repeatable)")
+    p.add_argument("--out_dir", default=os.path.join(common.ROOT, "runs", "stability"))
+    p.add_argument("--results", default=os.path.join(common.ROOT, "experiments", "results"))
+    p.add_argument("--figures", default=common.FIGURES)
+    p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
+                   help="JAX persistent compilation cache folder ('' to disable)")
+    p.add_argument("--replot", action="store_true",
+                   help="redo the table and figure from an earlier invocation's results JSON and run histories")
+    p.add_argument("--tag", default=None, help="file name stem of the outputs (default stability[_quick])")
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else DEFAULTS
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.seeds = [int(s) for s in str(args.seeds).split(",") if s != ""]
+    args.ks = [int(k) for k in str(args.ks).split(",") if k != ""]
+    args.arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        p.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+    for child, parent in BRANCH_PARENT.items():
+        if child in args.arms and parent not in args.arms:
+            p.error(f"--arms: {child} branches from {parent}'s checkpoint; include {parent}")
+    if not args.seeds:
+        p.error("--seeds is empty")
+    for name in ("steps", "num_prompts", "group_size", "eval_problems", "eval_n"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.branch_step is None:
+        args.branch_step = max(1, args.steps // 2)
+    if not 0 < args.branch_step < args.steps:
+        p.error(f"--branch_step must be in [1, steps={args.steps}), got {args.branch_step}")
+    if any(k < 1 or k > args.eval_n for k in args.ks):
+        p.error(f"--ks: every k must be in [1, eval_n={args.eval_n}], got {args.ks}")
+    parsed = {}
+    for item in args.overrides:
+        if "=" not in item:
+            p.error(f"--set {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        parsed[k] = common.parse_value(v)
+    args.overrides = parsed
+    args.tag = args.tag or ("stability_quick" if args.quick else "stability")
+    return args
+
+
+def arm_config(args, arm: str, seed: int):
+    """The full config of one (arm, seed) run; validated by the Trainer."""
+    c = common.absolute_paths(common.load_config(args.config))
+    batch = args.num_prompts * args.group_size
+    common.set_values(c, {
+        **COMMON, "seed": seed, "train.steps": args.steps, "train.ckpt_every": args.steps,
+        "rl.num_prompts": args.num_prompts, "rl.group_size": args.group_size,
+        "rl.mini_batch": batch, "rl.micro_batch": batch, **ARMS[arm],
+    })
+    common.set_values(c, args.overrides)
+    c.run_dir = os.path.join(os.path.abspath(args.out_dir), arm, f"seed{seed}")
+    return common.absolute_paths(c)
+
+
+def eval_examples(c, n: int):
+    """Held-out problems: the eval tool's synthetic split (another seed of the training generator)."""
+    from triage_jax.data.synthetic import SyntheticMathSource
+
+    src = SyntheticMathSource(n, seed=c.seed + 10_000, levels=tuple(c.data.levels), template=c.data.template)
+    return [src[i] for i in range(n)]
+
+
+def evaluate_model(model, tok, c, args) -> dict:
+    """avg@n and pass@k (tools/eval) of the learner's weights sampled in BF16 at T=1 (the eval tool's defaults)."""
+    from triage_jax import sampler
+    from triage_jax.tools.eval import evaluate
+
+    return evaluate(model, tok, eval_examples(c, args.eval_problems), n=args.eval_n, ks=args.ks, temperature=1.0,
+                    top_p=args.eval_top_p, top_k=0, policy=sampler.sampler_policy("bf16"), reward=args.eval_reward, batch=64,
+                    seed=1234, max_prompt_len=c.sampler.max_prompt_len, max_new_tokens=c.sampler.max_new_tokens)
+
+
+def fresh_run_dir(path: str) -> None:
+    """A run folder holding nothing from an earlier invocation (the trainer would resume from it)."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
+def run_one(args, arm: str, seed: int, log) -> dict:
+    """Train one (arm, seed); returns its history, final eval and wall time. Branch parents save their branch."""
+    from triage_jax.trainer import Trainer
+
+    c = arm_config(args, arm, seed)
+    common.share_warmup(c, args.warmup_seed)
+    parent = BRANCH_PARENT.get(arm)
+    if parent is None:
+        fresh_run_dir(c.run_dir)
+    with open(os.path.join(c.run_dir, "config.json"), "w") as f:
+        f.write(c.to_json(indent=1))
+    t0 = time.perf_counter()
+    tr = Trainer(c, progress=False)
+    if parent is not None:  # the parent left its step-branch_step checkpoint in this run_dir
+        if not tr.restore() or tr.step != args.branch_step:
+            raise RuntimeError(f"{arm}: no step-{args.branch_step} checkpoint from {parent} in {c.run_dir}")
+        history = tr.run(resume=False)
+    elif any(p == arm for p in BRANCH_PARENT.values()) and any(ch in args.arms for ch in BRANCH_PARENT):
+        tr.run(resume=False, max_steps=args.branch_step)
+        for child, par in BRANCH_PARENT.items():
+            if par == arm and child in args.arms:
+                dst = arm_config(args, child, seed).run_dir
+                fresh_run_dir(dst)
+                shutil.copytree(os.path.join(c.run_dir, "checkpoints"), os.path.join(dst, "checkpoints"),
+                                dirs_exist_ok=True)
+        history = tr.run(resume=False)
+    else:
+        history = tr.run(resume=False)
+    train_s = time.perf_counter() - t0
+    tr.summary()
+    common.write_json(os.path.join(c.run_dir, "history.json"), history)
+    t1 = time.perf_counter()
+    ev = evaluate_model(tr.learner.model(), tr.tok, c, args)
+    eval_s = time.perf_counter() - t1
+    log(f"{arm} seed {seed}: {len(history)} steps in {train_s:.0f}s (+{eval_s:.0f}s eval); "
+        f"reward {history[0]['reward/mean']:+.3f} -> {history[-1]['reward/mean']:+.3f}; "
+        f"avg@{args.eval_n} {ev[f'avg@{args.eval_n}']:.3f}")
+    return {"history": history, "eval": ev, "train_s": train_s, "eval_s": eval_s, "run_dir": c.run_dir}
+
+
+def run_study(args, log=print) -> dict:
+    """Every arm for every seed (parents before their branches), plus the warm-up policy's own eval."""
+    order = [a for a in args.arms if a not in BRANCH_PARENT] + [a for a in args.arms if a in BRANCH_PARENT]
+    runs: dict[str, dict[int, dict]] = {a: {} for a in order}
+    c0 = arm_config(args, order[0], args.warmup_seed)
+    model, tok, _, _ = common.warm_model(c0, progress=False)
+    base_eval = evaluate_model(model, tok, c0, args)
+    log(f"warm-up policy: avg@{args.eval_n} {base_eval[f'avg@{args.eval_n}']:.3f}")
+    for seed in args.seeds:
+        for arm in order:
+            runs[arm][seed] = run_one(args, arm, seed, log)
+    return {"runs": runs, "warmup_eval": base_eval}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def curve(runs_of_arm: dict[int, dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values [seeds, steps]) of one metric; NaN where a run lacks the key or a step."""
+    hist = [r["history"] for r in runs_of_arm.values()]
+    n = max(len(h) for h in hist)
+    vals = np.full((len(hist), n), np.nan)
+    for i, h in enumerate(hist):
+        for j, row in enumerate(h):
+            v = row.get(key, math.nan)
+            vals[i, j] = math.nan if v is None else v
+    return np.arange(1, n + 1), vals
+
+
+def final_window(args) -> int:
+    return max(1, min(5, args.steps // 4))
+
+
+def results_rows(study: dict, args) -> list[list]:
+    """One row per arm: final metrics averaged over the last steps, then over seeds (mean +- std)."""
+    k = final_window(args)
+    rows = []
+
+    def ms(xs):
+        xs = np.asarray([x for x in xs if x is not None and np.isfinite(x)], float)
+        if not xs.size:
+            return "-"
+        return f"{xs.mean():.3f} +- {xs.std():.3f}" if xs.size > 1 else f"{xs.mean():.3f}"
+
+    def ms4(xs):
+        xs = np.asarray([x for x in xs if x is not None and np.isfinite(x)], float)
+        return "-" if not xs.size else (f"{xs.mean():.4f} +- {xs.std():.4f}" if xs.size > 1 else f"{xs.mean():.4f}")
+
+    for arm, per_seed in study["runs"].items():
+        def last(key):
+            out = []
+            for r in per_seed.values():
+                v = [row.get(key) for row in r["history"][-k:]]
+                v = [x for x in v if x is not None and np.isfinite(x)]
+                out.append(float(np.mean(v)) if v else None)
+            return out
+
+        evs = [r["eval"] for r in per_seed.values()]
+        rows.append([arm, len(per_seed), ms(last("reward/mean")), ms4(last("mismatch/mean_abs_delta")),
+                     ms(last("mismatch/rho_asym")), ms(last("mismatch/delta_q05")),
+                     ms(last("mismatch/tail_persistence")), ms([e[f"avg@{args.eval_n}"] for e in evs])]
+                    + [ms([e[f"pass@{kk}"] for e in evs]) for kk in args.ks])
+    return rows
+
+
+def results_table(study: dict, args) -> str:
+    header = ["arm", "seeds", "reward", "mean abs delta", "rho_asym", "delta q05", "tail persist.",
+              f"avg@{args.eval_n}"] + [f"pass@{k}" for k in args.ks]
+    return common.markdown_table(header, results_rows(study, args))
+
+
+def plot_curves(study: dict, args, path: str) -> str:
+    plt = common.use_agg()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    for ax, (key, label) in zip(axes.flat, CURVES):
+        for arm, per_seed in study["runs"].items():
+            steps, vals = curve(per_seed, key)
+            common.band(ax, steps, vals, arm)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    if "tis_from_branch" in study["runs"]:
+        for ax in axes.flat:
+            ax.axvline(args.branch_step + 0.5, color="gray", ls=":", lw=1)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"{args.config}: GRPO on synthetic math, mean over seeds {args.seeds} (band: min..max)")
+    fig.tight_layout()
+    return common.save_figure(fig, path, dpi=72)
+
+
+def load_study(path: str, args) -> tuple[dict, float]:
+    """The study dict of an earlier invocation (its results JSON + each run's history.json); its settings
+    (steps, seeds, eval) replace those of `args`."""
+    import json
+
+    with open(path) as f:
+        saved = json.load(f)
+    for k in ("steps", "seeds", "num_prompts", "group_size", "branch_step", "eval_problems", "eval_n", "ks",
+              "eval_top_p", "eval_reward", "config"):
+        if k in saved["args"]:
+            setattr(args, k, saved["args"][k])
+    runs = {arm: {int(seed): {**r, "history": common.read_history(r["run_dir"])} for seed, r in per.items()}
+            for arm, per in saved["runs"].items()}
+    return {"runs": runs, "warmup_eval": saved["warmup_eval"]}, saved["total_s"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+
+    def log(msg):
+        print(f"[stability {time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+
+    if args.replot:
+        study, total = load_study(os.path.join(args.results, f"{args.tag}.json"), args)
+    else:
+        if args.compile_cache:
+            common.enable_compile_cache(args.compile_cache)
+        study = run_study(args, log)
+        total = time.perf_counter() - t0
+    table = results_table(study, args)
+    base = study["warmup_eval"]
+    text = (f"## {args.tag}: {args.config}, {args.steps} steps, seeds {args.seeds}, batch "
+            f"{args.num_prompts}x{args.group_size}, branch at step {args.branch_step}, {total / 60:.1f} min\n\n"
+            f"Final values: mean over the last {final_window(args)} steps of each run, then mean +- std over "
+            f"seeds. avg@{args.eval_n} / pass@k: {args.eval_problems} held-out problems, BF16 sampling at T=1, "
+            f"top_p={args.eval_top_p} ({args.eval_reward}). Warm-up policy before RL: avg@{args.eval_n} "
+            f"{base[f'avg@{args.eval_n}']:.3f}.\n\n{table}\n")
+    print(text)
+    os.makedirs(args.results, exist_ok=True)
+    with open(os.path.join(args.results, f"{args.tag}.md"), "w") as f:
+        f.write(text)
+    summary = {"args": vars(args), "total_s": total, "warmup_eval": base,
+               "runs": {a: {s: {k: v for k, v in r.items() if k != "history"} for s, r in per.items()}
+                        for a, per in study["runs"].items()}}
+    common.write_json(os.path.join(args.results, f"{args.tag}.json"), summary)
+    fig = plot_curves(study, args, os.path.join(args.figures, f"{args.tag}.png"))
+    log(f"figure: {fig}; table: {os.path.join(args.results, args.tag + '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The experiment scripts: helpers, the ordering checks of the mismatch matrix, and --quick runs of both studies."""
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments import common, mismatch_matrix, stability  # noqa: E402
+
+# Settings that make a run take seconds: a 4-step warm-up cached under tmp_path, 2 prompts x 4 responses.
+TINY_SET = ["warmup.steps=4", "warmup.batch_size=8", "rl.dynamic_sampling=False", "sampler.max_new_tokens=12",
+            "rl.max_response_len=12"]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+def test_set_values_rejects_unknown_keys():
+    c = common.load_config("tiny")
+    common.set_values(c, {"rl.triage.lambda_rep": 0.0, "seed": 3})
+    assert c.rl.triage.lambda_rep == 0.0 and c.seed == 3
+    with pytest.raises(KeyError, match="rl.triage.lambda_rpe"):
+        common.set_values(c, {"rl.triage.lambda_rpe": 0.0})
+    with pytest.raises(FileNotFoundError, match="nope"):
+        common.load_config("nope")
+
+
+def test_read_scalars_roundtrip_and_truncated_tail(tmp_path):
+    from tensorboardX import SummaryWriter
+
+    w = SummaryWriter(str(tmp_path / "tb"))
+    for step in range(1, 4):
+        w.add_scalar("a/x", step * 0.5, step)
+        w.add_scalar("b", -step, step)
+    w.add_histogram("h", np.arange(5.0), 1)
+    w.close()
+    w = SummaryWriter(str(tmp_path / "tb"), filename_suffix=".resumed")  # a resumed run rewrites step 3
+    w.add_scalar("a/x", 9.0, 3)
+    w.close()
+    s = common.read_scalars(str(tmp_path / "tb"))
+    assert set(s) == {"a/x", "b"}
+    np.testing.assert_array_equal(s["a/x"][0], [1, 2, 3])
+    np.testing.assert_allclose(s["a/x"][1], [0.5, 1.0, 9.0])
+    # A record cut short by a crash is skipped, the rest still reads.
+    f = sorted((tmp_path / "tb").iterdir())[-1]
+    with open(f, "ab") as fh:
+        fh.write(struct.pack("<Q", 100) + b"\0" * 10)
+    assert common.read_scalars(str(tmp_path / "tb"))["a/x"][1][-1] == 9.0
+    with pytest.raises(FileNotFoundError):
+        common.read_scalars(str(tmp_path / "empty"))
+
+
+def test_write_json_nan_and_config_roundtrip(tmp_path):
+    common.write_json(str(tmp_path / "x.json"), {"a": math.nan, "b": [np.float32(1.5), math.inf], "c": 2})
+    assert json.load(open(tmp_path / "x.json")) == {"a": None, "b": [1.5, None], "c": 2}
+    c = common.load_config("tiny_moe")
+    c.rl.triage.segment_len = 8
+    (tmp_path / "config.json").write_text(c.to_json())
+    back = common.config_from_json(str(tmp_path / "config.json"))
+    assert back.to_dict() == c.to_dict()
+    assert isinstance(back.data.levels, tuple)
+    saved = json.loads(c.to_json())
+    saved["train"]["retired_key"] = 1  # a run written by an older schema still loads
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    with pytest.warns(UserWarning, match="train.retired_key"):
+        assert common.config_from_json(str(tmp_path / "old.json")).rl.triage.segment_len == 8
+
+
+def test_markdown_table():
+    t = common.markdown_table(["a", "b"], [["x", 0.123456], ["y", math.nan]], digits=3)
+    assert t.splitlines() == ["| a | b |", "|---|---|", "| x | 0.123 |", "| y | - |"]
+
+
+# ------------------------------------------------------------------------------------------------ mismatch matrix
+
+def test_orderings_are_computed_from_the_numbers():
+    paper = mismatch_matrix.PAPER
+    # On the paper's own numbers every claim it makes about itself is checked, some hold and some do not.
+    ours = {m: {k: v[m] for k, v in paper.items() if m in v} for m in ("tiny", "tiny_moe")}
+    rows = mismatch_matrix.check_orderings(ours)
+    assert all(p == h for _, _, p, h in rows)
+    verdict = {(n, m): p for n, m, p, _ in rows}
+    assert verdict[("weights-only < MXFP8 act. < NVFP4 act.", "tiny")]
+    assert not verdict[("matched NVFP4 < NVFP4 learner / BF16 sampler", "tiny_moe")]  # 0.0668 > 0.0621
+    assert verdict[("W4A4 sampler: MoE < dense", "both")]
+    # Reversing one measured pair flips exactly the claims that involve it.
+    flipped = {m: dict(v) for m, v in ours.items()}
+    flipped["tiny"]["W4A16"], flipped["tiny"]["W4A4 (NVFP4 act.)"] = 0.2, 0.001
+    changed = {(n, m) for n, m, p, h in mismatch_matrix.check_orderings(flipped) if p != h}
+    assert ("weights-only < MXFP8 act. < NVFP4 act.", "tiny") in changed
+    assert ("matched BF16 has the smallest mismatch", "tiny") in changed  # 0.001 < BF16/BF16 now
+    assert all(m == "tiny" or n == "W4A4 sampler: MoE < dense" for n, m in changed)
+    # A missing row leaves the claim undecided for us, not false.
+    partial = {"tiny": {"W4A16": 0.01}}
+    rows = mismatch_matrix.check_orderings(partial)
+    assert all(h is None for n, m, p, h in rows if n.startswith("weights-only"))
+
+
+def test_standard_error_and_margin():
+    # Two responses of 2 tokens: per-response means 1 and 3, equal weights: SE = std([1,3], ddof=1) / sqrt(2) = 1.
+    delta = np.array([[1.0, -1.0], [3.0, 3.0]])
+    mask = np.ones((2, 2), bool)
+    assert mismatch_matrix.standard_error(delta, mask) == pytest.approx(1.0)
+    assert math.isnan(mismatch_matrix.standard_error(delta[:1], mask[:1]))  # one response: undefined
+    vals, se = {"a": 1.0, "b": 2.0, "c": 4.0}, {"a": 0.3, "b": 0.4, "c": 0.0}
+    assert mismatch_matrix.claim_margin("chain", ("a", "b", "c"), vals, se) == pytest.approx(2.0)  # 1 / 0.5
+    assert mismatch_matrix.claim_margin("min", "a", vals, se) == pytest.approx(2.0)
+    assert mismatch_matrix.claim_margin("chain", ("a", "b"), vals, {"a": math.nan, "b": 0.1}) is None
+    assert mismatch_matrix.claim_margin("chain", ("a", "x"), vals, se) is None
+
+
+@pytest.mark.slow  # ~1 min of CPU (a 4-step warm-up, 5 sampler compilations); 5 min on a busy 2-core CPU
+def test_mismatch_matrix_end_to_end(tmp_path):
+    """Real measurement on a 4-step warm-up: every setting measured, quantized samplers disagree more than BF16."""
+    out = tmp_path / "out"
+    fig = tmp_path / "fig" / "mm.png"
+    argv = ["--models", "tiny", "--dtypes", "float32", "--num_prompts", "3", "--group_size", "2", "--out", str(out),
+            "--figure", str(fig), "--compile_cache", ""]
+    for s in TINY_SET[:2] + [f"warmup.cache_dir={tmp_path / 'warm'}"]:
+        argv += ["--set", s]
+    assert mismatch_matrix.main(argv) == 0
+    rep = json.load(open(out / "mismatch_matrix.json"))
+    res = rep["results"]["float32"]["tiny"]
+    assert set(res) == {s.label for s in mismatch_matrix.SETTINGS}
+    d = {k: v["mean_abs_delta"] for k, v in res.items()}
+    assert d["BF16 / BF16"] < 1e-4  # float32 both ways: only reduction-order noise
+    for k in ("NVFP4 / NVFP4", "BF16 / NVFP4", "W4A4 (NVFP4 act.)", "KV FP8 (W4A4 sampler)"):
+        assert d[k] > 10 * d["BF16 / BF16"], k
+    assert d["W4A4 (NVFP4 act.)"] == d["BF16 / NVFP4"]  # the same pair of precisions, sampled once
+    md = (out / "mismatch_matrix.md").read_text()
+    assert "| BF16 / BF16 | 0.0110 |" in md and "paper's ordering" in md
+    assert fig.stat().st_size > 1000
+    assert len(os.listdir(tmp_path / "warm")) == 1  # the override reached the config
+
+
+# ------------------------------------------------------------------------------------------------ stability
+
+def test_stability_args():
+    a = stability.parse_args(["--quick"])
+    assert a.steps == stability.QUICK["steps"] and a.seeds == [0, 1, 2] and a.branch_step == 2
+    a = stability.parse_args(["--arms", "bf16,nvfp4", "--set", "optim.lr=3e-4", "--set", "tokenizer=char"])
+    assert a.overrides == {"optim.lr": 3e-4, "tokenizer": "char"} and a.steps == stability.DEFAULTS["steps"]
+    for bad in (["--arms", "tis_from_branch"], ["--arms", "bogus"], ["--steps", "4", "--branch_step", "4"],
+                ["--eval_n", "2", "--ks", "1,4"], ["--set", "novalue"]):
+        with pytest.raises(SystemExit):
+            stability.parse_args(bad)
+
+
+def test_arm_configs_differ_only_where_they_should(tmp_path):
+    a = stability.parse_args(["--quick", "--out_dir", str(tmp_path)])
+    cfgs = {arm: stability.arm_config(a, arm, 1) for arm in stability.ARMS}
+    assert cfgs["bf16"].sampler.precision == "bf16" and cfgs["nvfp4"].sampler.precision == "w4a4"
+    assert cfgs["nvfp4_tis"].rl.correction == "token_tis" and cfgs["nvfp4_tis"].rl.tis_c == 2.0
+    assert cfgs["triage_no_repair"].rl.triage.lambda_rep == 0.0 and cfgs["nvfp4_triage"].rl.triage.lambda_rep > 0
+    assert len({c.run_dir for c in cfgs.values()}) == len(cfgs)
+    for c in cfgs.values():
+        assert c.seed == 1 and c.learner.precision == "bf16" and c.rl.triage.segment_len == 8
+        assert c.rl.num_prompts * c.rl.group_size == c.rl.mini_batch
+
+
+@pytest.mark.slow  # ~18 trainer compilations: minutes even on an idle 2-core CPU
+def test_stability_quick_writes_every_output(tmp_path):
+    """--quick with tiny settings: runs every arm (the branch from the nvfp4 checkpoint), table, figure, logs."""
+    warm = tmp_path / "warm"
+    sets = TINY_SET + [f"warmup.cache_dir={warm}"]
+    argv = ["--quick", "--seeds", "0,1", "--steps", "3", "--num_prompts", "2", "--group_size", "4",
+            "--eval_problems", "2", "--eval_n", "2", "--ks", "1,2", "--eval_reward", "dapo",
+            "--out_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "res"),
+            "--figures", str(tmp_path / "fig"), "--compile_cache", str(tmp_path / "jax_cache")]
+    for s in sets:
+        argv += ["--set", s]
+    assert stability.main(argv) == 0
+    table = (tmp_path / "res" / "stability_quick.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| arm")]
+    assert [r.split("|")[1].strip() for r in rows] == [a for a in stability.ARMS if a not in stability.BRANCH_PARENT] \
+        + list(stability.BRANCH_PARENT)
+    assert all(r.split("|")[2].strip() == "2" for r in rows)
+    assert (tmp_path / "fig" / "stability_quick.png").stat().st_size > 1000
+    summary = json.load(open(tmp_path / "res" / "stability_quick.json"))
+    for arm in stability.ARMS:
+        for seed in ("0", "1"):
+            r = summary["runs"][arm][seed]
+            assert 0.0 <= r["eval"]["avg@2"] <= 1.0
+            hist = common.read_history(r["run_dir"])
+            assert len(hist) == 3 and os.path.exists(os.path.join(r["run_dir"], "tb"))
+    # The branch shares the nvfp4 run's first step(s) exactly and then differs in its correction.
+    for seed in ("0", "1"):
+        parent = common.read_history(summary["runs"]["nvfp4"][seed]["run_dir"])
+        child = common.read_history(summary["runs"]["tis_from_branch"][seed]["run_dir"])
+        b = summary["args"]["branch_step"]
+        keys = [k for k in parent[0] if not k.startswith("time/")]
+        assert [{k: p[k] for k in keys} for p in parent[:b]] == [{k: q[k] for k in keys} for q in child[:b]]
+        cfg = {a: common.config_from_json(os.path.join(summary["runs"][a][seed]["run_dir"], "config.json"))
+               for a in ("nvfp4", "tis_from_branch")}
+        assert cfg["nvfp4"].rl.correction == "none" and cfg["tis_from_branch"].rl.correction == "token_tis"
+    # Seeds share the warm-up: one trained cache, the other a link to it.
+    entries = sorted(os.listdir(warm))
+    assert len(entries) == 2 and sum(os.path.islink(warm / e) for e in entries) == 1
+
+
+def test_scripts_have_a_cli_help():
+    for script in ("mismatch_matrix.py", "stability.py"):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "usage" in r.stdout, r.stderr
