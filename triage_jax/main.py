@@ -47,6 +47,9 @@ def main(argv) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
+    from triage_jax import distributed
+
+    distributed.initialize()  # multi-host: before any JAX work; a no-op on one host
     from triage_jax.trainer import Trainer
 
     trainer = Trainer(c)

@@ -308,10 +308,11 @@ class Trainer:
         if resume:
             self.restore()
         end = c.train.steps if max_steps is None else min(c.train.steps, self.step + max_steps)
-        writer = SummaryWriter(os.path.join(self.run_dir, "tb"))
+        lead = jax.process_index() == 0  # one host writes logs; checkpoints are collective (orbax)
+        writer = SummaryWriter(os.path.join(self.run_dir, "tb")) if lead else None
         prev = signal.signal(signal.SIGTERM, self._on_sigterm)
         bar = None
-        if self.progress:
+        if self.progress and lead:
             from tqdm import tqdm
 
             bar = tqdm(total=end, initial=self.step, desc="GRPO", dynamic_ncols=True)
@@ -343,12 +344,15 @@ class Trainer:
                     break
         finally:
             signal.signal(signal.SIGTERM, prev)
-            writer.close()
+            if writer is not None:
+                writer.close()
             if bar is not None:
                 bar.close()
         return self.history
 
     def _log(self, writer, m: dict[str, float]) -> None:
+        if writer is None:
+            return
         for k, v in m.items():
             if k != "step" and np.isfinite(v):
                 writer.add_scalar(k, v, self.step)
@@ -376,8 +380,9 @@ class Trainer:
                              "end": window_mean([x[key] for x in h[-k:]])}
         times = {t: float(np.mean([x[t] for x in h[1:] or h])) for t in h[0] if t.startswith("time/")}
         out = {"steps": self.step, "window": k, "metrics": rows, "mean_time_s": times}
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(out, f, indent=2)
+        if jax.process_index() == 0:
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(out, f, indent=2)
         return out
 
 
