@@ -11,6 +11,7 @@ def dapo_config(preset: str):
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat = "full"
+    c.model.attn_chunk = 512  # 22.5k-token learner sequences: never materialize [B, N, T, T] scores
     c.tokenizer = ""  # defaults to <hf_path>/tokenizer.json
     c.data.source = "dapo"
     c.data.path = ""  # required: --config.data.path=/path/to/dapo-math-17k.parquet

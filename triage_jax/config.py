@@ -33,6 +33,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"
     c.model.param_dtype = "float32"
     c.model.remat = "none"
+    c.model.attn_chunk = 0  # > 0: chunked (flash-style) attention in the learner for sequences longer than this
     c.model.vocab_size = 0  # 0: take it from the tokenizer (tiny presets)
 
     c.tokenizer = "char"  # "char" or a path to a tokenizer.json

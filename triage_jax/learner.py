@@ -105,7 +105,7 @@ class LossSettings:
 
 
 def triage_config(c: ml_collections.ConfigDict) -> TriageConfig:
-    return TriageConfig(**c.rl.triage.to_dict())
+    return TriageConfig.from_dict(c.rl.triage.to_dict())
 
 
 def correction_config(c: ml_collections.ConfigDict):
@@ -207,7 +207,7 @@ class Learner:
         if input_ids.shape[0] % self.micro and input_ids.shape[0] > self.micro:
             raise ValueError(f"batch {input_ids.shape[0]} is not a multiple of rl.micro_batch={self.micro}")
         ids, am = self.shard_batch((input_ids, attn_mask))
-        with jax.set_mesh(self.mesh):  # the active mesh turns on mesh-aware layers (MoE expert parallelism)
+        with shd.activate(self.mesh, self.rules):  # activation sharding constraints, MoE expert parallelism
             return self._logprobs(self.params if params is None else params, ids, am, resp_len)
 
     # ------------------------------------------------------------------------------------------ update
@@ -264,7 +264,7 @@ class Learner:
         if mb.num % self.micro:
             raise ValueError(f"mini-batch of {mb.num} responses is not a multiple of rl.micro_batch={self.micro}")
         mb = self.shard_batch(mb)
-        with jax.set_mesh(self.mesh):
+        with shd.activate(self.mesh, self.rules):
             self.params, self.opt_state, out = self._update(self.params, self.opt_state, mb, jnp.int32(step))
         return out
 
@@ -280,7 +280,7 @@ class Learner:
 
     def lower_update(self, n: int, prompt_len: int, resp_len: int):
         """The update of an n-response mini-batch lowered for the mesh (jax.stages.Lowered; compile() it)."""
-        with jax.set_mesh(self.mesh):
+        with shd.activate(self.mesh, self.rules):
             return self._update.lower(self.params, self.opt_state, self.abstract_batch(n, prompt_len, resp_len),
                                       jax.ShapeDtypeStruct((), jnp.int32))
 

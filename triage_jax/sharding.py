@@ -7,7 +7,8 @@ names a mesh axis.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -94,3 +95,21 @@ def batch_axes(rules=DEFAULT_RULES) -> tuple[str, ...]:
     """The mesh axes the batch dimension is split over (per the rules table)."""
     target = dict(rules).get("batch")
     return (target,) if isinstance(target, str) else tuple(target or ())
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules=DEFAULT_RULES) -> Iterator[None]:
+    """Trace under this: the mesh is the active one (mesh-aware layers such as MoE expert parallelism see it) and
+    the model's activation annotations (`models.sharding.constrain`) become sharding constraints by the rules.
+
+    Without the constraints GSPMD is free to all-gather an FSDP batch to meet the embed-sharded weights, i.e.
+    every device would hold the whole micro-batch's activations."""
+    import flax.linen as nn
+
+    table = []
+    for name, target in rules:
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        keep = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+        table.append((name, None if not keep else keep[0] if len(keep) == 1 else keep))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(table):
+        yield

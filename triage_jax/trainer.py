@@ -54,9 +54,10 @@ class Rollout:
 
 def build_model_config(c: ml_collections.ConfigDict, vocab_size: int):
     """Model hyperparameters: the HF checkpoint's config, else the preset (tokenizer-sized vocab if asked)."""
+    overrides = {"dtype": c.model.dtype, "param_dtype": c.model.param_dtype, "remat": c.model.remat,
+                 "attn_chunk": c.model.attn_chunk}
     if c.model.hf_path:
-        return models.ModelConfig.from_hf_config(os.path.join(c.model.hf_path, "config.json"))
-    overrides = {"dtype": c.model.dtype, "param_dtype": c.model.param_dtype, "remat": c.model.remat}
+        return models.ModelConfig.from_hf_config(os.path.join(c.model.hf_path, "config.json")).replace(**overrides)
     if c.model.vocab_size:
         overrides["vocab_size"] = c.model.vocab_size
     mc = models.get_model_config(c.model.preset, **overrides)

@@ -12,6 +12,7 @@ from flax import nnx
 from triage_jax.models import kv_cache as kvc
 from triage_jax.models.config import ModelConfig
 from triage_jax.models.layers import Linear, RMSNorm, apply_rope
+from triage_jax.models.chunked_attention import chunked_attention
 from triage_jax.models.sharding import BATCH, EMBED, HEADS, KV, LENGTH, constrain
 from triage_jax.quant import PrecisionPolicy
 
@@ -19,7 +20,7 @@ from triage_jax.quant import PrecisionPolicy
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         d, n, kvh, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.layer, self.head_dim = layer, h
+        self.layer, self.head_dim, self.attn_chunk = layer, h, cfg.attn_chunk
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, std=cfg.initializer_range, rngs=rngs)
         p = f"layers.{layer}.attn"
         self.q_proj = Linear((d,), (n, h), (EMBED, HEADS, KV), f"{p}.q_proj", **kw)  # w_dnh
@@ -51,10 +52,16 @@ class Attention(nnx.Module):
         else:
             k_bskh, v_bskh = k_btkh, v_btkh
         q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
-        out_btnh = jax.nn.dot_product_attention(
-            q_btnh, k_bskh, v_bskh, mask=None if mask_bts is None else mask_bts[:, None, :, :],
-            scale=self.head_dim**-0.5,
-        )
+        t = q_btnh.shape[1]
+        if cache is None and self.attn_chunk and t > self.attn_chunk and mask_bts is not None:
+            # Long learner sequences: never materialize the [B, N, T, T] scores (20k-token responses).
+            out_btnh = chunked_attention(q_btnh, k_bskh, v_bskh, mask_bts, scale=self.head_dim**-0.5,
+                                         q_chunk=self.attn_chunk, k_chunk=2 * self.attn_chunk)
+        else:
+            out_btnh = jax.nn.dot_product_attention(
+                q_btnh, k_bskh, v_bskh, mask=None if mask_bts is None else mask_bts[:, None, :, :],
+                scale=self.head_dim**-0.5,
+            )
         y_btd = self.o_proj(out_btnh, policy)
         return y_btd if cache is None else (y_btd, cache)
 

@@ -48,6 +48,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"  # none | full | save_dots (per decoder layer)
     scan_layers: bool = False
+    attn_chunk: int = 0  # > 0: flash-style chunked attention (q chunks of this size) for sequences longer than it
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -95,6 +96,8 @@ class ModelConfig:
         for key in ("dtype", "param_dtype"):
             if getattr(self, key) not in DTYPES:
                 raise ValueError(f"ModelConfig.{key}={getattr(self, key)!r}; expected one of {DTYPES}")
+        if self.attn_chunk < 0:
+            raise ValueError(f"ModelConfig.attn_chunk={self.attn_chunk}; expected 0 (off) or a chunk size > 0")
         if self.remat not in REMAT_MODES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_MODES}")
         if self.scan_layers and len({self.is_moe_layer(i) for i in range(self.num_hidden_layers)}) > 1:

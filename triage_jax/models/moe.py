@@ -1,5 +1,11 @@
 """Qwen3-MoE sparse block: float32 softmax router, top-k (renormalized when norm_topk_prob), dropless grouped
 expert compute (tokens sorted by expert, `qragged_dot`), and the statistics of HF's load-balancing loss.
+
+Expert parallelism: when the active mesh (`jax.set_mesh`, as the Learner sets it) has an `expert` axis of size > 1,
+the grouped compute runs under `shard_map`: each device holds E / n_expert experts; the routed tokens of its
+expert group are all-gathered over the `expert` axis, each device runs its local experts on the assignments that
+chose them (dropless), and the partial outputs are reduce-scattered back to the tokens' owners. The router and its
+statistics stay in global (GSPMD) form, so routing and the aux loss are those of the single-device model.
 """
 
 from __future__ import annotations
@@ -9,10 +15,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from triage_jax.models.config import ModelConfig
 from triage_jax.models.layers import Linear, make_param, policy_or_default
 from triage_jax.models.sharding import EMBED, EXPERT, MLP
+from triage_jax import sharding as shd
 from triage_jax.quant import PrecisionPolicy, QuantizedWeight, qragged_dot
 
 F32 = jnp.float32
@@ -62,13 +70,26 @@ class GroupedLinear(nnx.Module):
         self.path, self.dtype = path, dtype
         self.kernel = make_param(rngs, (e, k, n), names, param_dtype, std=std)
 
-    def __call__(self, x_mk: jax.Array, group_sizes_e: jax.Array, policy: PrecisionPolicy | None = None):
-        policy = policy_or_default(policy)
+    def weight(self):
+        """The kernel [E, K, N] in the compute dtype (or its QuantizedWeight)."""
         w = self.kernel.get_value()
-        if not isinstance(w, QuantizedWeight):
-            w = w.astype(self.dtype)
-        return qragged_dot(x_mk, w, group_sizes_e, policy.for_layer(self.path), backend=policy.backend,
-                           name=self.path)
+        return w if isinstance(w, QuantizedWeight) else w.astype(self.dtype)
+
+    def __call__(self, x_mk: jax.Array, group_sizes_e: jax.Array, policy: PrecisionPolicy | None = None):
+        return grouped_dot(x_mk, self.weight(), group_sizes_e, policy, self.path)
+
+
+def grouped_dot(x_mk, w_ekn, group_sizes_e, policy: PrecisionPolicy | None, path: str):
+    """qragged_dot under the policy's precision for the layer at `path`."""
+    policy = policy_or_default(policy)
+    return qragged_dot(x_mk, w_ekn, group_sizes_e, policy.for_layer(path), backend=policy.backend, name=path)
+
+
+def expert_ffn(x_md, group_sizes_e, w_gate, w_up, w_down, policy, paths) -> jax.Array:
+    """SwiGLU of each expert on its (sorted) rows: down(silu(gate(x)) * up(x))."""
+    h_mf = (jax.nn.silu(grouped_dot(x_md, w_gate, group_sizes_e, policy, paths[0]))
+            * grouped_dot(x_md, w_up, group_sizes_e, policy, paths[1]))
+    return grouped_dot(h_mf, w_down, group_sizes_e, policy, paths[2])
 
 
 class Experts(nnx.Module):
@@ -80,9 +101,15 @@ class Experts(nnx.Module):
         self.up_proj = GroupedLinear(e, d, f, (EXPERT, EMBED, MLP), f"{p}.up_proj", **kw)  # w_edf
         self.down_proj = GroupedLinear(e, f, d, (EXPERT, MLP, EMBED), f"{p}.down_proj", **kw)  # w_efd
 
+    def weights(self):
+        return self.gate_proj.weight(), self.up_proj.weight(), self.down_proj.weight()
+
+    @property
+    def paths(self) -> tuple[str, str, str]:
+        return self.gate_proj.path, self.up_proj.path, self.down_proj.path
+
     def __call__(self, x_md: jax.Array, group_sizes_e: jax.Array, policy=None) -> jax.Array:
-        h_mf = jax.nn.silu(self.gate_proj(x_md, group_sizes_e, policy)) * self.up_proj(x_md, group_sizes_e, policy)
-        return self.down_proj(h_mf, group_sizes_e, policy)
+        return expert_ffn(x_md, group_sizes_e, *self.weights(), policy, self.paths)
 
 
 def sort_by_expert(experts_tk: jax.Array, num_experts: int):
@@ -109,14 +136,132 @@ class MoE(nnx.Module):
         x_td = x_btd.reshape(b * t, d)
         logits_te = self.router(x_td, policy)  # compute dtype, like HF's F.linear
         probs_te, weights_tk, experts_tk = route(logits_te, self.top_k, self.norm_topk_prob)
-        order_m, token_m, group_sizes_e = sort_by_expert(experts_tk, self.num_experts)
-        y_md = self.experts(x_td[token_m], group_sizes_e, policy)
-        w_m = weights_tk.reshape(-1)[order_m].astype(x_btd.dtype)  # HF casts the routing weights to the dtype
-        y_md = y_md * w_m[:, None]
-        inverse_m = jnp.argsort(order_m)
-        y_td = jnp.sum(y_md[inverse_m].reshape(b * t, self.top_k, d).astype(F32), axis=1).astype(x_btd.dtype)
+        mesh = expert_mesh(self.num_experts)
+        if mesh is not None:
+            y_td = expert_parallel_combine(x_td, weights_tk, experts_tk, self.experts.weights(), policy,
+                                           self.experts.paths, mesh)
+        else:
+            y_td = combine_experts(x_td, weights_tk, experts_tk, self.experts.weights(), policy, self.experts.paths,
+                                   self.num_experts).astype(x_btd.dtype)
         mask_t = jnp.ones((b * t,), bool) if mask_bt is None else mask_bt.reshape(-1).astype(bool)
         return y_td.reshape(b, t, d), router_stats(probs_te, experts_tk, mask_t)
+
+
+_ROW_CHUNK = [0]  # rows per grouped-GEMM call; 0: all at once (set with `row_chunking`)
+
+
+class row_chunking:
+    """Context manager: within it the expert FFN runs over the sorted assignment rows `rows` at a time.
+
+    A backend that expands ragged_dot densely (XLA on CPU) holds [E, rows, F] per call, so this bounds the MoE
+    temporaries at long sequences (the memory dry-run's --moe_chunk). Exact for unquantized and per-row-scaled
+    activations; a per-tensor activation scale (NVFP4's global scale) is then taken per chunk.
+    """
+
+    def __init__(self, rows: int):
+        if rows < 0:
+            raise ValueError(f"row_chunking: rows={rows} must be >= 0")
+        self.rows, self._old = rows, None
+
+    def __enter__(self):
+        self._old, _ROW_CHUNK[0] = _ROW_CHUNK[0], self.rows
+        return self
+
+    def __exit__(self, *exc):
+        _ROW_CHUNK[0] = self._old
+        return False
+
+
+def chunked_expert_ffn(x_md, group_sizes_e, weights, policy, paths, rows: int) -> jax.Array:
+    """`expert_ffn` over blocks of `rows` sorted rows (rematerialized in the backward pass); the groups a block
+    cuts are clipped to it, so the result equals one call (rows past the groups stay zero)."""
+    m = x_md.shape[0]
+    if rows <= 0 or m <= rows:
+        return expert_ffn(x_md, group_sizes_e, *weights, policy, paths)
+    n = -(-m // rows)
+    x_pd = jnp.pad(x_md, ((0, n * rows - m), (0, 0)))
+    ends_e = jnp.cumsum(group_sizes_e)
+    starts_e = ends_e - group_sizes_e
+
+    @jax.checkpoint
+    def block(start):
+        sizes_e = (jnp.clip(ends_e - start, 0, rows) - jnp.clip(starts_e - start, 0, rows)).astype(jnp.int32)
+        x_cd = jax.lax.dynamic_slice_in_dim(x_pd, start, rows)
+        return expert_ffn(x_cd, sizes_e, *weights, policy, paths)
+
+    y = jax.lax.map(block, jnp.arange(n, dtype=jnp.int32) * rows)
+    return y.reshape(n * rows, -1)[:m]
+
+
+def combine_experts(x_td, weights_tk, experts_tk, weights, policy, paths, num_experts: int,
+                    expert_offset=0) -> jax.Array:
+    """sum_k w[t, k] * FFN_{e[t, k]}(x[t]) over experts [expert_offset, expert_offset + E_local) (all of them on
+    one device); assignments to other experts are sorted last and fall outside every group (ragged_dot gives 0).
+    Returns the float32 sum (the caller rounds once, after any cross-device sum)."""
+    t, d = x_td.shape
+    top_k = experts_tk.shape[-1]
+    local_tk = experts_tk - expert_offset
+    # Experts held elsewhere get the sentinel group E_local: sorted after every local group, outside all of them.
+    local_tk = jnp.where((local_tk >= 0) & (local_tk < num_experts), local_tk, num_experts)
+    order_m, token_m, group_sizes_e = sort_by_expert(local_tk, num_experts + 1)
+    y_md = chunked_expert_ffn(x_td[token_m], group_sizes_e[:num_experts], weights, policy, paths, _ROW_CHUNK[0])
+    w_m = weights_tk.reshape(-1)[order_m].astype(x_td.dtype)  # HF casts the routing weights to the dtype
+    y_md = y_md * w_m[:, None]
+    inverse_m = jnp.argsort(order_m)
+    return jnp.sum(y_md[inverse_m].reshape(t, top_k, d).astype(F32), axis=1)  # float32 [T, D]
+
+
+def expert_mesh(num_experts: int):
+    """The active mesh when it has an `expert` axis of size > 1 (expert parallelism on), else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("expert", 1) <= 1:
+        return None
+    if num_experts % mesh.shape["expert"]:
+        raise ValueError(f"expert parallelism: num_experts={num_experts} is not divisible by the mesh's expert "
+                         f"axis ({mesh.shape['expert']}); pick config.mesh.expert dividing it")
+    return mesh
+
+
+def _expert_spec(leaf, num_experts: int) -> P:
+    """Experts split over `expert` on their leading axis; anything without an expert axis is replicated."""
+    return P("expert") if getattr(leaf, "ndim", 0) >= 1 and leaf.shape[0] == num_experts else P()
+
+
+def expert_parallel_combine(x_td, weights_tk, experts_tk, weights, policy, paths, mesh) -> jax.Array:
+    """`combine_experts` with the experts split over the mesh's `expert` axis (see the module docstring).
+
+    Tokens keep their batch sharding (the logical "batch" rule); the expert kernels enter with [E/ep, K, N] local
+    blocks (their fsdp / tensor shards are gathered at the boundary, as FSDP does for any weight).
+    """
+    ep = mesh.shape["expert"]
+    num_experts = weights[0].shape[0]
+    spec = shd.logical_to_mesh(("batch",), shd.DEFAULT_RULES, mesh)
+    batch_axes = () if spec[0] is None else ((spec[0],) if isinstance(spec[0], str) else tuple(spec[0]))
+    shards = 1
+    for a in batch_axes:
+        shards *= mesh.shape[a]
+    if x_td.shape[0] % shards:
+        raise ValueError(f"expert parallelism: {x_td.shape[0]} tokens do not split over the batch axes "
+                         f"{batch_axes} ({shards} shards)")
+    tok = P(spec[0], None)
+    w_specs = jax.tree.map(lambda w: _expert_spec(w, num_experts), weights)
+    tokens_split = "expert" in batch_axes
+    dtype = x_td.dtype
+
+    def local(x_td, w_tk, e_tk, weights):
+        if tokens_split:  # this device's expert group routes the same gathered tokens
+            x_td, w_tk, e_tk = (jax.lax.all_gather(a, "expert", tiled=True) for a in (x_td, w_tk, e_tk))
+        offset = jax.lax.axis_index("expert") * (num_experts // ep)
+        # float32 partial sums over this device's experts, summed across devices before the one rounding.
+        y_td = combine_experts(x_td, w_tk, e_tk, weights, policy, paths, num_experts // ep, offset)
+        if tokens_split:
+            y_td = jax.lax.psum_scatter(y_td, "expert", scatter_dimension=0, tiled=True)
+        else:
+            y_td = jax.lax.psum(y_td, "expert")
+        return y_td.astype(dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_specs), out_specs=tok,
+                         check_vma=False)(x_td, weights_tk, experts_tk, weights)
 
 
 def num_active_params(cfg: ModelConfig) -> int:
