@@ -18,21 +18,6 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
-_STEP = flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to evaluate (default: newest).")
-_SET = flags.DEFINE_string("eval_set", "synthetic", "synthetic, gsm8k, math500, aime2024, aime2025 or amc2023.")
-_PATH = flags.DEFINE_string("eval_path", "", "Local file of the eval set (not needed for synthetic).")
-_LIMIT = flags.DEFINE_integer("limit", 64, "Number of problems (0: all).")
-_N = flags.DEFINE_integer("n", 8, "Samples per problem.")
-_K = flags.DEFINE_list("k", ["1", "8"], "k values of pass@k (each <= n).")
-_TEMP = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (DAPO: 1.0).")
-_TOP_P = flags.DEFINE_float("top_p", 0.7, "Nucleus sampling (DAPO eval: 0.7).")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k (0: off).")
-_PRECISION = flags.DEFINE_string("precision", "bf16", "Sampler precision preset.")
-_REWARD = flags.DEFINE_string("reward", "math_verify", "Correctness rule: math_verify or dapo.")
-_BATCH = flags.DEFINE_integer("batch", 64, "Responses per generate call.")
-_SEED = flags.DEFINE_integer("seed", 1234, "Sampling seed.")
-
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
@@ -106,5 +91,25 @@ def main(argv) -> None:
     print(json.dumps(res))
 
 
+def define_flags() -> None:
+    """Register the CLI flags (only when run as a program, so importing this module defines none)."""
+    global _CONFIG, _STEP, _SET, _PATH, _LIMIT, _N, _K, _TEMP, _TOP_P, _TOP_K, _PRECISION, _REWARD, _BATCH, _SEED
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
+    _STEP = flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to evaluate (default: newest).")
+    _SET = flags.DEFINE_string("eval_set", "synthetic", "synthetic, gsm8k, math500, aime2024, aime2025 or amc2023.")
+    _PATH = flags.DEFINE_string("eval_path", "", "Local file of the eval set (not needed for synthetic).")
+    _LIMIT = flags.DEFINE_integer("limit", 64, "Number of problems (0: all).")
+    _N = flags.DEFINE_integer("n", 8, "Samples per problem.")
+    _K = flags.DEFINE_list("k", ["1", "8"], "k values of pass@k (each <= n).")
+    _TEMP = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (DAPO: 1.0).")
+    _TOP_P = flags.DEFINE_float("top_p", 0.7, "Nucleus sampling (DAPO eval: 0.7).")
+    _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k (0: off).")
+    _PRECISION = flags.DEFINE_string("precision", "bf16", "Sampler precision preset.")
+    _REWARD = flags.DEFINE_string("reward", "math_verify", "Correctness rule: math_verify or dapo.")
+    _BATCH = flags.DEFINE_integer("batch", 64, "Responses per generate call.")
+    _SEED = flags.DEFINE_integer("seed", 1234, "Sampling seed.")
+
+
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
