@@ -28,7 +28,7 @@ from triage_jax.data.rewards import score_batch
 from triage_jax.data.sources import load_dapo_math
 from triage_jax.data.synthetic import SyntheticMathSource
 from triage_jax.data.tokenizers import load_tokenizer
-from triage_jax.learner import Learner, RolloutBatch, prepare_batch
+from triage_jax.learner import Learner, nonfinite_count, prepare_batch
 from triage_jax.rl import diagnostics, grpo
 from triage_jax.warmup import warm_start
 
@@ -263,7 +263,7 @@ class Trainer:
                     "time/sync": sync_s, "time/orchestration": total_s - rollout_s - reward_s - learner_s - sync_s,
                     "time/step": total_s})
         self._delta_for_hist = np.asarray(delta)[mask > 0]
-        streak = int(self.learner.opt_state.notfinite_count)
+        streak = int(nonfinite_count(self.learner.opt_state))
         if skipped:
             log.warning("step %d: %d update(s) skipped for a non-finite loss or gradient (streak %d)",
                         self.step, skipped, streak)
