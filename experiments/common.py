@@ -49,6 +49,17 @@ def set_values(c, overrides: Mapping[str, Any]):
     return c
 
 
+def parse_overrides(parser, items) -> dict:
+    """`--set KEY=VALUE` items -> {KEY: parsed value}; a malformed item is a parser error naming it."""
+    parsed = {}
+    for item in items:
+        if "=" not in item:
+            parser.error(f"--set {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        parsed[k] = parse_value(v)
+    return parsed
+
+
 def parse_value(text: str):
     """A KEY=VALUE override's value: a Python literal when it parses as one ("3e-4", "(1, 3)"), else the string."""
     import ast

@@ -308,13 +308,7 @@ def parse_args(argv=None):
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not args.models:
         p.error("--models is empty")
-    parsed = {}
-    for item in args.overrides:
-        if "=" not in item:
-            p.error(f"--set {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        parsed[k] = common.parse_value(v)
-    args.overrides = parsed
+    args.overrides = common.parse_overrides(p, args.overrides)
     return args
 
 

@@ -113,13 +113,7 @@ def parse_args(argv=None):
         p.error(f"--branch_step must be in [1, steps={args.steps}), got {args.branch_step}")
     if any(k < 1 or k > args.eval_n for k in args.ks):
         p.error(f"--ks: every k must be in [1, eval_n={args.eval_n}], got {args.ks}")
-    parsed = {}
-    for item in args.overrides:
-        if "=" not in item:
-            p.error(f"--set {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        parsed[k] = common.parse_value(v)
-    args.overrides = parsed
+    args.overrides = common.parse_overrides(p, args.overrides)
     args.tag = args.tag or ("stability_quick" if args.quick else "stability")
     return args
 

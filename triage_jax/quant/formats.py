@@ -375,17 +375,17 @@ def quantize_nvfp4(
     return NVFP4Tensor(packed=packed, scale=scale, amax=amax, scaling=scaling)
 
 
-def quantize_nvfp4_kn(w: jax.Array, *, scaling: Scaling = "tensor", name: str = "") -> NVFP4Tensor:
-    """NVFP4 of w^T for a weight w[..., K, N] stored K-major: bit-identical to quantize_nvfp4(swapaxes(w, -1, -2)).
+def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str = ""):
+    """The scale stage shared by the K-major weight quantizers: blocks of 16 down the columns of w[..., K, N].
 
-    The blocks run down the columns of w, so the float input is read in its own layout and only the small uint8
-    outputs are transposed (XLA:CPU reads a transposed float input many times slower).
+    Returns (w as [..., K/16, 16, N] float32, global amax, the element multiplier [..., K/16, 1, N], and the E4M3
+    block scales as float32 values and as codes [..., K/16, N]), computed in TE's order (see quantize_nvfp4).
     """
     if scaling not in ("tensor", "tile2d"):
-        raise ValueError(f"quantize_nvfp4_kn: scaling {scaling!r}; weights use 'tensor' or 'tile2d'")
-    _check_input(jnp.swapaxes(w, -1, -2), NVFP4_BLOCK, "quantize_nvfp4_kn (w^T)", min_rank=2)
+        raise ValueError(f"{what}: scaling {scaling!r}; weights use 'tensor' or 'tile2d'")
+    _check_input(jnp.swapaxes(w, -1, -2), NVFP4_BLOCK, f"{what} (w^T)", min_rank=2)
     if scaling == "tile2d" and w.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(f"quantize_nvfp4_kn(scaling='tile2d'): N of shape {w.shape} is not a multiple of 16")
+        raise ValueError(f"{what}(scaling='tile2d'): N of shape {w.shape} is not a multiple of 16")
     w = w.astype(F32)
     report_nonfinite(w, "quantize_nvfp4", name)
     *lead, k, n = w.shape
@@ -399,10 +399,21 @@ def quantize_nvfp4_kn(w: jax.Array, *, scaling: Scaling = "tensor", name: str = 
     s_enc = nvfp4_global_scale(amax)
     s_dec = jnp.float32(1.0) / s_enc
     scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
-    scale = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
     inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)[..., None, :]
+    return wb, amax, inv, scale_f32, code
+
+
+def quantize_nvfp4_kn(w: jax.Array, *, scaling: Scaling = "tensor", name: str = "") -> NVFP4Tensor:
+    """NVFP4 of w^T for a weight w[..., K, N] stored K-major: bit-identical to quantize_nvfp4(swapaxes(w, -1, -2)).
+
+    The blocks run down the columns of w, so the float input is read in its own layout and only the small uint8
+    outputs are transposed (XLA:CPU reads a transposed float input many times slower).
+    """
+    wb, amax, inv, _, code = _nvfp4_kn_block_scales(w, scaling, "quantize_nvfp4_kn", name)
+    scale = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
     lo = e2m1_rne_codes(wb[..., 0::2, :] * inv)
     hi = e2m1_rne_codes(wb[..., 1::2, :] * inv)
+    *lead, k, n = w.shape
     packed = (lo | (hi << 4)).reshape(*lead, k // 2, n)
     return NVFP4Tensor(
         packed=jnp.swapaxes(packed, -1, -2), scale=jnp.swapaxes(scale, -1, -2), amax=amax, scaling=scaling
@@ -452,25 +463,7 @@ def nvfp4_fake_quant(
 
 def nvfp4_fake_quant_kn(w: jax.Array, *, scaling: Scaling = "tensor") -> tuple[jax.Array, jax.Array]:
     """nvfp4_fake_quant of w^T for w[..., K, N], returned in w's [..., K, N] layout (as quantize_nvfp4_kn)."""
-    if scaling not in ("tensor", "tile2d"):
-        raise ValueError(f"nvfp4_fake_quant_kn: scaling {scaling!r}; weights use 'tensor' or 'tile2d'")
-    _check_input(jnp.swapaxes(w, -1, -2), NVFP4_BLOCK, "nvfp4_fake_quant_kn (w^T)", min_rank=2)
-    if scaling == "tile2d" and w.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(f"nvfp4_fake_quant_kn(scaling='tile2d'): N of shape {w.shape} is not a multiple of 16")
-    w = w.astype(F32)
-    report_nonfinite(w, "quantize_nvfp4")
-    *lead, k, n = w.shape
-    nb = k // NVFP4_BLOCK
-    wb = w.reshape(*lead, nb, NVFP4_BLOCK, n)
-    ba = jnp.max(_nan_to_zero_abs(wb), axis=-2)
-    if scaling == "tile2d":
-        t = ba.reshape(*lead, nb, n // NVFP4_BLOCK, NVFP4_BLOCK)
-        ba = jnp.broadcast_to(jnp.max(t, axis=-1, keepdims=True), t.shape).reshape(ba.shape)
-    amax = amax_from_blocks(ba, "tensor")
-    s_enc = nvfp4_global_scale(amax)
-    s_dec = jnp.float32(1.0) / s_enc
-    scale_f32, _ = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
-    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)[..., None, :]
+    wb, amax, inv, scale_f32, _ = _nvfp4_kn_block_scales(w, scaling, "nvfp4_fake_quant_kn")
     v = _e2m1_rne_values(wb * inv) * scale_f32[..., None, :]
     g = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(NVFP4_RANGE))
     return v.reshape(w.shape), g
