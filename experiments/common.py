@@ -157,47 +157,29 @@ def held_out_prompts(c, tok, num_prompts: int):
 def sample(model, tok, prompts, truths, *, sampler: str, kv: str, group_size: int, max_new_tokens: int,
            temperature: float, seed: int, max_cache_len: int | None = None):
     """(SampleOutput, group advantages [N], scored) of `group_size` responses per prompt under a sampler preset."""
-    import jax
-
-    from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
-    from triage_jax.tools.mismatch import advantages
+    from triage_jax.sampler import SamplingConfig
+    from triage_jax.tools.mismatch import advantages, sample_responses
 
     rows = [p for p in prompts for _ in range(group_size)]
-    pol = sampler_policy(sampler, kv_cache=kv)
     scfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=tuple(tok.eos_ids))
-    out = generate(prepare_model(model, pol), rows, scfg, policy=pol, key=jax.random.key(seed), pad_id=tok.pad_id,
-                   max_cache_len=max_cache_len)
+    out = sample_responses(model, rows, scfg, sampler=sampler, kv=kv, seed=seed, pad_id=tok.pad_id,
+                           max_cache_len=max_cache_len)
     adv, scored = advantages(out.tokens, out.mask, list(truths), tok, group_size)
     return out, adv, scored
 
 
-_LOGP_FNS: dict = {}
-
-
 def learner_logprobs(model, out, learner: str, *, temperature: float):
     """Learner log-probs [N, T] of the sampled tokens, recomputed in one teacher-forced pass under `learner`."""
-    import jax
-    from flax import nnx
+    from triage_jax.tools.mismatch import recompute_logprobs
 
-    from triage_jax.logprobs import response_logprobs
-    from triage_jax.quant import PrecisionPolicy
-
-    key = (temperature, model.cfg.vocab_size)
-    if key not in _LOGP_FNS:
-        _LOGP_FNS[key] = jax.jit(
-            lambda gd, st, pol, *a: response_logprobs(nnx.merge(gd, st), *a, policy=pol, temperature=temperature,
-                                                      vocab_chunk=model.cfg.vocab_size),
-            static_argnums=(0, 2))
-    graphdef, state = nnx.split(model)
-    return _LOGP_FNS[key](graphdef, state, PrecisionPolicy.from_spec(learner), out.prompt_tokens, out.prompt_mask,
-                          out.tokens, out.mask)
+    return recompute_logprobs(model, out, learner, temperature=temperature, vocab_chunk=model.cfg.vocab_size)
 
 
 def delta_of(learner_logp, out):
     """delta = learner - sampler log-prob on real response tokens, 0 on padding ([N, T])."""
-    import jax.numpy as jnp
+    from triage_jax.tools.mismatch import token_delta
 
-    return jnp.where(out.mask, learner_logp - out.logprobs, 0.0)
+    return token_delta(learner_logp, out)
 
 
 def config_from_json(path: str):
@@ -333,6 +315,22 @@ def use_agg():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def rolling_mean(values_ks: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over the last `window` steps of each row, skipping NaNs (a step whose whole window is NaN stays
+    NaN); window 1 returns the values unchanged. Per-step GRPO metrics are noisy at small batch sizes."""
+    values_ks = np.asarray(values_ks, np.float64)
+    if window <= 1:
+        return values_ks
+    finite = np.isfinite(values_ks)
+    csum = np.cumsum(np.where(finite, values_ks, 0.0), axis=-1)
+    ccount = np.cumsum(finite, axis=-1)
+    pad = lambda a: np.concatenate([np.zeros(a.shape[:-1] + (window,)), a], axis=-1)  # noqa: E731
+    total = pad(csum)[..., window:] - pad(csum)[..., :-window]
+    count = pad(ccount)[..., window:] - pad(ccount)[..., :-window]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / count, np.nan)
 
 
 def band(ax, steps: np.ndarray, values_ks: np.ndarray, label: str, color=None):

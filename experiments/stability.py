@@ -1,6 +1,6 @@
 """The TRIAGE comparison at CPU scale: GRPO on the synthetic math task under each mismatch treatment, over seeds.
 
-    python experiments/stability.py [--quick] [--config tiny] [--steps 40] [--seeds 0,1,2] [--arms ...]
+    python experiments/stability.py [--quick] [--config tiny] [--steps 240] [--seeds 0,1,2] [--arms ...]
         [--out_dir runs/stability] [--results experiments/results] [--figures experiments/figures]
         [--set rl.num_prompts=4 --set optim.lr=3e-4 ...]
 
@@ -58,7 +58,7 @@ CURVES = (
 # segments would hold a whole response and tail persistence (adjacent segments) would be undefined.
 COMMON = {"rl.triage.segment_len": 8, "train.progress": False}
 
-DEFAULTS = dict(steps=40, seeds="0,1,2", num_prompts=8, group_size=8, eval_problems=64, eval_n=8, ks="1,8")
+DEFAULTS = dict(steps=240, seeds="0,1,2", num_prompts=8, group_size=8, eval_problems=64, eval_n=8, ks="1,8")
 QUICK = dict(steps=4, seeds="0,1,2", num_prompts=4, group_size=4, eval_problems=16, eval_n=4, ks="1,4")
 
 
@@ -87,6 +87,8 @@ def parse_args(argv=None):
                    help="JAX persistent compilation cache folder ('' to disable)")
     p.add_argument("--replot", action="store_true",
                    help="redo the table and figure from an earlier invocation's results JSON and run histories")
+    p.add_argument("--smooth", type=int, default=None,
+                   help="plot each run's trailing mean over this many steps (default steps/20; 1 = raw)")
     p.add_argument("--tag", default=None, help="file name stem of the outputs (default stability[_quick])")
     args = p.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
@@ -113,6 +115,8 @@ def parse_args(argv=None):
         p.error(f"--branch_step must be in [1, steps={args.steps}), got {args.branch_step}")
     if any(k < 1 or k > args.eval_n for k in args.ks):
         p.error(f"--ks: every k must be in [1, eval_n={args.eval_n}], got {args.ks}")
+    if args.smooth is not None and args.smooth < 1:
+        p.error(f"--smooth must be >= 1, got {args.smooth}")
     args.overrides = common.parse_overrides(p, args.overrides)
     args.tag = args.tag or ("stability_quick" if args.quick else "stability")
     return args
@@ -226,7 +230,7 @@ def curve(runs_of_arm: dict[int, dict], key: str) -> tuple[np.ndarray, np.ndarra
 
 
 def final_window(args) -> int:
-    return max(1, min(5, args.steps // 4))
+    return max(1, min(10, args.steps // 8))
 
 
 def results_rows(study: dict, args) -> list[list]:
@@ -267,13 +271,18 @@ def results_table(study: dict, args) -> str:
     return common.markdown_table(header, results_rows(study, args))
 
 
+def smooth_window(args) -> int:
+    return args.smooth if args.smooth is not None else max(1, round(args.steps / 20))
+
+
 def plot_curves(study: dict, args, path: str) -> str:
     plt = common.use_agg()
+    window = smooth_window(args)
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     for ax, (key, label) in zip(axes.flat, CURVES):
         for arm, per_seed in study["runs"].items():
             steps, vals = curve(per_seed, key)
-            common.band(ax, steps, vals, arm)
+            common.band(ax, steps, common.rolling_mean(vals, window), arm)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
@@ -281,7 +290,8 @@ def plot_curves(study: dict, args, path: str) -> str:
         for ax in axes.flat:
             ax.axvline(args.branch_step + 0.5, color="gray", ls=":", lw=1)
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"{args.config}: GRPO on synthetic math, mean over seeds {args.seeds} (band: min..max)")
+    smoothing = f"each run's trailing mean over {window} steps, " if window > 1 else ""
+    fig.suptitle(f"{args.config}: GRPO on synthetic math; {smoothing}mean over seeds {args.seeds} (band: min..max)")
     fig.tight_layout()
     return common.save_figure(fig, path, dpi=72)
 

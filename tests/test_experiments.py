@@ -80,6 +80,14 @@ def test_markdown_table():
 
 # ------------------------------------------------------------------------------------------------ mismatch matrix
 
+def test_rolling_mean_is_trailing_and_skips_nans():
+    x = np.array([[1.0, 2.0, np.nan, 4.0, 6.0], [np.nan, np.nan, 3.0, 5.0, 7.0]])
+    np.testing.assert_array_equal(common.rolling_mean(x, 1), x)
+    np.testing.assert_allclose(common.rolling_mean(x, 2), [[1, 1.5, 2, 4, 5], [np.nan, np.nan, 3, 4, 6]])
+    # A window longer than the run averages everything seen so far.
+    np.testing.assert_allclose(common.rolling_mean(x, 9)[0], [1, 1.5, 1.5, 7 / 3, 13 / 4])
+
+
 def test_orderings_are_computed_from_the_numbers():
     paper = mismatch_matrix.PAPER
     # On the paper's own numbers every claim it makes about itself is checked, some hold and some do not.
@@ -148,7 +156,7 @@ def test_stability_args():
     a = stability.parse_args(["--arms", "bf16,nvfp4", "--set", "optim.lr=3e-4", "--set", "tokenizer=char"])
     assert a.overrides == {"optim.lr": 3e-4, "tokenizer": "char"} and a.steps == stability.DEFAULTS["steps"]
     for bad in (["--arms", "tis_from_branch"], ["--arms", "bogus"], ["--steps", "4", "--branch_step", "4"],
-                ["--eval_n", "2", "--ks", "1,4"], ["--set", "novalue"]):
+                ["--eval_n", "2", "--ks", "1,4"], ["--set", "novalue"], ["--smooth", "0"]):
         with pytest.raises(SystemExit):
             stability.parse_args(bad)
 

@@ -12,6 +12,7 @@ denominators) there, and random prompts (nothing to score) use advantage 1 for e
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -127,31 +128,54 @@ def diagnostics(adv_n, delta_bn, mask_bn) -> dict[str, float]:
     return {"mean_abs_delta": float(np.abs(d).mean()), "delta_q05": q05, "delta_q50": q50, "delta_q95": q95}
 
 
+def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: str, seed: int, pad_id: int,
+                     max_cache_len: int | None = None):
+    """The sampler side of the probe: `prompts` answered under the `sampler` preset (weights quantized once)."""
+    policy = sampler_policy(sampler, kv_cache=kv)
+    return generate(prepare_model(model, policy), prompts, cfg, policy=policy, key=jax.random.key(seed),
+                    pad_id=pad_id, max_cache_len=max_cache_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_logprobs(temperature: float, vocab_chunk: int):
+    return jax.jit(
+        lambda gd, st, pol, *a: response_logprobs(nnx.merge(gd, st), *a, policy=pol, temperature=temperature,
+                                                  vocab_chunk=vocab_chunk),
+        static_argnums=(0, 2))
+
+
+def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int):
+    """The learner side: log-probs [N, T] of the sampled tokens in one teacher-forced pass under `learner`."""
+    graphdef, state = nnx.split(model)
+    return _jitted_logprobs(float(temperature), int(vocab_chunk))(
+        graphdef, state, PrecisionPolicy.from_spec(learner), out.prompt_tokens, out.prompt_mask, out.tokens,
+        out.mask)
+
+
+def token_delta(learner_logp, out):
+    """delta = learner - sampler log-prob on real response tokens, 0 on padding ([N, T])."""
+    return jnp.where(out.mask, learner_logp - out.logprobs, 0.0)
+
+
 def run(args) -> dict:
     model = build_model(args)
     vocab = model.cfg.vocab_size
     prompts, truths, tok, pad_id, stop_ids = make_prompts(args, vocab)
     prompts = [p for p in prompts for _ in range(args.group_size)]
-    learner_policy = PrecisionPolicy.from_spec(args.learner)
-    s_policy = sampler_policy(args.sampler, kv_cache=args.kv)
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, stop_ids=stop_ids)
 
     t0 = time.perf_counter()
-    sampler_model = prepare_model(model, s_policy)
-    out = generate(sampler_model, prompts, cfg, policy=s_policy, key=jax.random.key(args.seed), pad_id=pad_id)
+    out = sample_responses(model, prompts, cfg, sampler=args.sampler, kv=args.kv, seed=args.seed, pad_id=pad_id)
     out.tokens.block_until_ready()
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
-    learner_logp = jax.jit(
-        lambda gd, st, *a: response_logprobs(nnx.merge(gd, st), *a, policy=learner_policy,
-                                             temperature=args.temperature, vocab_chunk=args.vocab_chunk),
-        static_argnums=0,
-    )(*nnx.split(model), out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    learner_logp = recompute_logprobs(model, out, args.learner, temperature=args.temperature,
+                                      vocab_chunk=args.vocab_chunk)
     learner_logp.block_until_ready()
     t_learn = time.perf_counter() - t0
 
-    delta = jnp.where(out.mask, learner_logp - out.logprobs, 0.0)
+    delta = token_delta(learner_logp, out)
     adv, scored = advantages(out.tokens, out.mask, truths, tok, args.group_size)
     if not bool(jnp.any(adv != 0)):
         print("mismatch: every group scored alike, so all advantages are 0 and the advantage-weighted metrics "
