@@ -1,7 +1,7 @@
 """The TRIAGE comparison at CPU scale: GRPO on the synthetic math task under each mismatch treatment, over seeds.
 
     python experiments/stability.py [--quick] [--config tiny] [--steps 240] [--seeds 0,1,2] [--arms ...]
-        [--out_dir runs/stability] [--results experiments/results] [--figures experiments/figures]
+        [--out_dir runs/<tag>] [--results experiments/results] [--figures experiments/figures]
         [--set rl.num_prompts=4 --set optim.lr=3e-4 ...]
 
 Arms (spec rl_math.md; every NVFP4 arm samples with the W4A4 NVFP4 sampler against the BF16 learner):
@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup_seed", type=int, default=0, help="the seed whose cached warm-up every run starts from")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every arm (repeatable)")
-    p.add_argument("--out_dir", default=os.path.join(common.ROOT, "runs", "stability"))
+    p.add_argument("--out_dir", default=None, help="where the runs go (default runs/<tag>)")
     p.add_argument("--results", default=os.path.join(common.ROOT, "experiments", "results"))
     p.add_argument("--figures", default=common.FIGURES)
     p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
@@ -119,6 +120,8 @@ def parse_args(argv=None):
         p.error(f"--smooth must be >= 1, got {args.smooth}")
     args.overrides = common.parse_overrides(p, args.overrides)
     args.tag = args.tag or ("stability_quick" if args.quick else "stability")
+    # Per tag, so a --quick run never wipes the default study's runs (which --replot reads).
+    args.out_dir = args.out_dir or os.path.join(common.ROOT, "runs", args.tag)
     return args
 
 
@@ -265,6 +268,32 @@ def results_rows(study: dict, args) -> list[list]:
     return rows
 
 
+DRIFT = (("reward/mean", "reward", 3), ("reward/accuracy", "rollout acc.", 3),
+         ("mismatch/mean_abs_delta", "mean abs delta", 4), ("mismatch/delta_q05", "delta q05", 3),
+         ("mismatch/rho_asym", "rho_asym", 3), ("mismatch/tail_persistence", "tail persist.", 2))
+
+
+def drift_rows(study: dict, args) -> list[list]:
+    """One row per arm: each metric's mean over the first and over the last `final_window` steps (pooled over
+    seeds), as "first -> last": how the run moved, which the final values alone do not show."""
+    k = final_window(args)
+    rows = []
+    for arm, per_seed in study["runs"].items():
+        row = [arm]
+        for key, _, digits in DRIFT:
+            _, vals = curve(per_seed, key)
+            with warnings.catch_warnings():  # an all-NaN window (e.g. bf16's tail persistence) prints as '-'
+                warnings.simplefilter("ignore", RuntimeWarning)
+                first, last = np.nanmean(vals[:, :k]), np.nanmean(vals[:, -k:])
+            row.append(f"{common.fmt(float(first), digits)} -> {common.fmt(float(last), digits)}")
+        rows.append(row)
+    return rows
+
+
+def drift_table(study: dict, args) -> str:
+    return common.markdown_table(["arm"] + [label for _, label, _ in DRIFT], drift_rows(study, args))
+
+
 def results_table(study: dict, args) -> str:
     header = ["arm", "seeds", "reward", "mean abs delta", "rho_asym", "delta q05", "tail persist.",
               f"avg@{args.eval_n}"] + [f"pass@{k}" for k in args.ks]
@@ -333,7 +362,9 @@ def main(argv=None) -> int:
             f"Final values: mean over the last {final_window(args)} steps of each run, then mean +- std over "
             f"seeds. avg@{args.eval_n} / pass@k: {args.eval_problems} held-out problems, BF16 sampling at T=1, "
             f"top_p={args.eval_top_p} ({args.eval_reward}). Warm-up policy before RL: avg@{args.eval_n} "
-            f"{base[f'avg@{args.eval_n}']:.3f}.\n\n{table}\n")
+            f"{base[f'avg@{args.eval_n}']:.3f}.\n\n{table}\n\n"
+            f"First -> last {final_window(args)} steps (mean over steps and seeds):\n\n"
+            f"{drift_table(study, args)}\n")
     print(text)
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, f"{args.tag}.md"), "w") as f:

@@ -153,6 +153,9 @@ def test_mismatch_matrix_end_to_end(tmp_path):
 def test_stability_args():
     a = stability.parse_args(["--quick"])
     assert a.steps == stability.QUICK["steps"] and a.seeds == [0, 1, 2] and a.branch_step == 2
+    # The smoke run keeps out of the default study's run folders (which --replot reads).
+    assert a.out_dir == os.path.join(ROOT, "runs", "stability_quick")
+    assert stability.parse_args([]).out_dir == os.path.join(ROOT, "runs", "stability")
     a = stability.parse_args(["--arms", "bf16,nvfp4", "--set", "optim.lr=3e-4", "--set", "tokenizer=char"])
     assert a.overrides == {"optim.lr": 3e-4, "tokenizer": "char"} and a.steps == stability.DEFAULTS["steps"]
     for bad in (["--arms", "tis_from_branch"], ["--arms", "bogus"], ["--steps", "4", "--branch_step", "4"],
@@ -173,7 +176,16 @@ def test_arm_configs_differ_only_where_they_should(tmp_path):
         assert c.rl.num_prompts * c.rl.group_size == c.rl.mini_batch
 
 
-@pytest.mark.slow  # ~18 trainer compilations: minutes even on an idle 2-core CPU
+def test_drift_table_compares_first_and_last_window():
+    args = stability.parse_args(["--steps", "16", "--arms", "bf16"])  # final window: 16 // 8 = 2 steps
+    hist = lambda vals: [{"reward/mean": v, "mismatch/tail_persistence": math.nan} for v in vals]  # noqa: E731
+    study = {"runs": {"bf16": {0: {"history": hist([0.0, 1.0] + [5.0] * 12 + [2.0, 4.0])},
+                               1: {"history": hist([2.0, 3.0] + [5.0] * 12 + [6.0, 8.0])}}}}
+    (row,) = stability.drift_rows(study, args)
+    assert row[0] == "bf16" and row[1] == "1.500 -> 5.000"
+    assert row[-1] == "- -> -"  # never defined: no number invented
+
+
 def test_stability_quick_writes_every_output(tmp_path):
     """--quick with tiny settings: runs every arm (the branch from the nvfp4 checkpoint), table, figure, logs."""
     warm = tmp_path / "warm"
@@ -185,10 +197,12 @@ def test_stability_quick_writes_every_output(tmp_path):
     for s in sets:
         argv += ["--set", s]
     assert stability.main(argv) == 0
-    table = (tmp_path / "res" / "stability_quick.md").read_text()
-    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| arm")]
-    assert [r.split("|")[1].strip() for r in rows] == [a for a in stability.ARMS if a not in stability.BRANCH_PARENT] \
-        + list(stability.BRANCH_PARENT)
+    results, drift = (tmp_path / "res" / "stability_quick.md").read_text().split("First -> last")
+    order = [a for a in stability.ARMS if a not in stability.BRANCH_PARENT] + list(stability.BRANCH_PARENT)
+    for table in (results, drift):
+        rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| arm")]
+        assert [r.split("|")[1].strip() for r in rows] == order
+    rows = [ln for ln in results.splitlines() if ln.startswith("| ") and not ln.startswith("| arm")]
     assert all(r.split("|")[2].strip() == "2" for r in rows)
     assert (tmp_path / "fig" / "stability_quick.png").stat().st_size > 1000
     summary = json.load(open(tmp_path / "res" / "stability_quick.json"))

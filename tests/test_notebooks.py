@@ -70,7 +70,6 @@ def _tiny_run(tmp_path):
     return c.run_dir
 
 
-@pytest.mark.slow  # trains a 4-step warm-up and a 3-step GRPO run first: minutes on a busy 2-core CPU
 def test_diagnostics_notebook_runs_on_a_run(tmp_path):
     run_dir = _tiny_run(tmp_path)
     nb = execute("run_diagnostics.ipynb", {"TRIAGE_RUN_DIR": run_dir})

@@ -97,7 +97,7 @@ def test_config_rejects_bad_values(overrides, key):
 
 def test_config_from_dict():
     assert TriageConfig.from_dict({"w_min": 0.5, "segment_len": 32}) == TriageConfig(w_min=0.5, segment_len=32)
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['wmin'\]"):
+    with pytest.raises(ValueError, match=r"TriageConfig: unknown config key\(s\) \['wmin'\]"):
         TriageConfig.from_dict({"wmin": 0.5})
 
 

@@ -5,7 +5,8 @@ The public rl functions are jitted (configs and mode strings static), so these c
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -68,3 +69,14 @@ def check_adv(adv: Any, shape_nt: tuple[int, int], name: str = "adv") -> jax.Arr
 def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     """num / den, NaN where den == 0 (an empty denominator is reported, never hidden as 0)."""
     return jnp.where(den != 0, num / jnp.where(den != 0, den, 1.0), jnp.nan)
+
+
+def config_with(cls, overrides: Mapping[str, Any] | None, *, owner: str):
+    """`cls`'s defaults (a frozen config dataclass) updated by `overrides`; an unknown key raises naming it and
+    the valid ones, prefixed by `owner` (what the config belongs to)."""
+    overrides = dict(overrides or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{owner}: unknown config key(s) {unknown}; valid keys are {sorted(known)}")
+    return cls(**overrides)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from triage_jax.rl._checks import F32, check_float, check_mask, safe_div
+from triage_jax.rl._checks import F32, check_float, check_mask, config_with, safe_div
 from triage_jax.rl.triage import TriageConfig, _check_adv_any, _gate
 
 SEQ_LOG_RATIO_CLIP = 20.0
@@ -157,13 +157,7 @@ def _lookup(name: str) -> Correction:
 
 def make_config(name: str, overrides: Mapping[str, Any] | None = None):
     """The config dataclass of correction `name`: spec defaults updated by `overrides`; unknown keys fail."""
-    cls = _lookup(name).config_cls
-    overrides = dict(overrides or {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"correction {name!r}: unknown config key(s) {unknown}; valid keys are {sorted(known)}")
-    return cls(**overrides)
+    return config_with(_lookup(name).config_cls, overrides, owner=f"correction {name!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("name", "cfg"))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triage_jax.rl._checks import F32, check_adv, check_float, check_mask, check_same_shape
+from triage_jax.rl._checks import F32, check_adv, check_float, check_mask, check_same_shape, config_with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +63,7 @@ class TriageConfig:
     @classmethod
     def from_dict(cls, overrides: Mapping[str, Any] | None = None) -> "TriageConfig":
         """Defaults updated by `overrides` (e.g. the trainer's config values); unknown keys are an error."""
-        overrides = dict(overrides or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"TriageConfig: unknown key(s) {unknown}; valid keys are {sorted(known)}")
-        return cls(**overrides)
+        return config_with(cls, overrides, owner="TriageConfig")
 
 
 class SegmentStats(NamedTuple):
