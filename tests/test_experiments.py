@@ -78,8 +78,6 @@ def test_markdown_table():
     assert t.splitlines() == ["| a | b |", "|---|---|", "| x | 0.123 |", "| y | - |"]
 
 
-# ------------------------------------------------------------------------------------------------ mismatch matrix
-
 def test_rolling_mean_is_trailing_and_skips_nans():
     x = np.array([[1.0, 2.0, np.nan, 4.0, 6.0], [np.nan, np.nan, 3.0, 5.0, 7.0]])
     np.testing.assert_array_equal(common.rolling_mean(x, 1), x)
@@ -87,6 +85,8 @@ def test_rolling_mean_is_trailing_and_skips_nans():
     # A window longer than the run averages everything seen so far.
     np.testing.assert_allclose(common.rolling_mean(x, 9)[0], [1, 1.5, 1.5, 7 / 3, 13 / 4])
 
+
+# ------------------------------------------------------------------------------------------------ mismatch matrix
 
 def test_orderings_are_computed_from_the_numbers():
     paper = mismatch_matrix.PAPER
