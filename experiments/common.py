@@ -1,7 +1,8 @@
 """Shared helpers of the experiment scripts and notebooks: configs, the cached warm-up, run logs, tables, plots.
 
 Nothing here trains; the studies (mismatch_matrix.py, stability.py) and the notebooks import these so that
-they read configs, warm-up caches and TensorBoard logs the same way.
+they read configs, warm-up caches and TensorBoard logs the same way. Everything they build comes from the library
+(`triage_jax.build`, `triage_jax.probe`, `triage_jax.evaluation`, `triage_jax.rl`), never from `triage_jax.tools`.
 """
 
 from __future__ import annotations
@@ -97,15 +98,12 @@ def warm_model(c, *, dtype: str | None = None, progress: bool = False):
 
     `dtype` reloads the cached checkpoint in another compute (and parameter) dtype, e.g. "bfloat16".
     """
-    from triage_jax import models
-    from triage_jax.config import tokenizer_path
-    from triage_jax.data.tokenizers import load_tokenizer
-    from triage_jax.trainer import build_model_config, build_source
+    from triage_jax import build, models
     from triage_jax.warmup import cache_path, warm_start
 
-    tok = load_tokenizer(tokenizer_path(c))
-    mc = build_model_config(c, tok.vocab_size)
-    model = warm_start(c, mc, tok, build_source(c), progress=progress)
+    tok = build.tokenizer(c)
+    mc = build.model_config(c, tok.vocab_size)
+    model = warm_start(c, mc, tok, build.source(c), progress=progress)
     path = cache_path(c, mc)
     if dtype is not None and dtype != c.model.dtype:
         model = models.from_pretrained(path, dtype=dtype)
@@ -119,14 +117,12 @@ def share_warmup(c, base_seed: int) -> str | None:
     The studies vary the RL seed from one shared starting policy instead (as one would from a fixed pretrained
     checkpoint). Returns the linked folder, or None when `c` already uses `base_seed` or has its own cache.
     """
-    from triage_jax.config import tokenizer_path
-    from triage_jax.data.tokenizers import load_tokenizer
-    from triage_jax.trainer import build_model_config
+    from triage_jax import build
     from triage_jax.warmup import cache_path
 
     if c.seed == base_seed:
         return None
-    mc = build_model_config(c, load_tokenizer(tokenizer_path(c)).vocab_size)
+    mc = build.model_config(c, build.tokenizer(c).vocab_size)
     target = cache_path(c, mc)
     if os.path.exists(os.path.join(target, "config.json")):
         return None
@@ -145,41 +141,38 @@ def share_warmup(c, base_seed: int) -> str | None:
 # ------------------------------------------------------------------------------------------------ sampling, delta
 
 def held_out_prompts(c, tok, num_prompts: int):
-    """(token-id prompts, ground truths) of synthetic problems from a seed training never saw (as tools/eval)."""
-    from triage_jax.data.synthetic import SyntheticMathSource
+    """(token-id prompts, ground truths) of the run's held-out synthetic problems (`build.held_out`, as tools/eval)."""
+    from triage_jax import build, probe
 
-    src = SyntheticMathSource(num_prompts, seed=c.seed + 10_000, levels=tuple(c.data.levels),
-                              template=c.data.template)
-    examples = [src[i] for i in range(num_prompts)]
-    return [tok.encode_prompt(ex.prompt) for ex in examples], [ex.ground_truth for ex in examples]
+    return probe.encode_examples(tok, build.held_out(c, num_prompts))
 
 
 def sample(model, tok, prompts, truths, *, sampler: str, kv: str, group_size: int, max_new_tokens: int,
            temperature: float, seed: int, max_cache_len: int | None = None):
     """(SampleOutput, group advantages [N], scored) of `group_size` responses per prompt under a sampler preset."""
+    from triage_jax import probe
     from triage_jax.sampler import SamplingConfig
-    from triage_jax.tools.mismatch import advantages, sample_responses
 
     rows = [p for p in prompts for _ in range(group_size)]
     scfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=tuple(tok.eos_ids))
-    out = sample_responses(model, rows, scfg, sampler=sampler, kv=kv, seed=seed, pad_id=tok.pad_id,
-                           max_cache_len=max_cache_len)
-    adv, scored = advantages(out.tokens, out.mask, list(truths), tok, group_size)
+    out = probe.sample_responses(model, rows, scfg, sampler=sampler, kv=kv, seed=seed, pad_id=tok.pad_id,
+                                 max_cache_len=max_cache_len)
+    adv, scored = probe.advantages(out.tokens, out.mask, list(truths), tok, group_size)
     return out, adv, scored
 
 
 def learner_logprobs(model, out, learner: str, *, temperature: float):
     """Learner log-probs [N, T] of the sampled tokens, recomputed in one teacher-forced pass under `learner`."""
-    from triage_jax.tools.mismatch import recompute_logprobs
+    from triage_jax import probe
 
-    return recompute_logprobs(model, out, learner, temperature=temperature, vocab_chunk=model.cfg.vocab_size)
+    return probe.recompute_logprobs(model, out, learner, temperature=temperature, vocab_chunk=model.cfg.vocab_size)
 
 
 def delta_of(learner_logp, out):
-    """delta = learner - sampler log-prob on real response tokens, 0 on padding ([N, T])."""
-    from triage_jax.tools.mismatch import token_delta
+    """delta = learner - sampler log-prob on `out`'s real response tokens, 0 on padding ([N, T]): rl.delta's."""
+    from triage_jax.rl.delta import token_delta
 
-    return token_delta(learner_logp, out)
+    return token_delta(learner_logp, out.logprobs, out.mask)
 
 
 def config_from_json(path: str):

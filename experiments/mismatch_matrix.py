@@ -160,7 +160,7 @@ def claim_margin(kind: str, arg, values: dict[str, float], se: dict[str, float])
 def measure_model(model, tok, prompts, truths, settings, *, group_size: int, max_new_tokens: int,
                   temperature: float, seed: int, max_cache_len: int) -> dict[str, dict[str, float]]:
     """{label: diagnostics} for each setting; responses are sampled once per (sampler, kv) and reused."""
-    from triage_jax.tools.mismatch import diagnostics
+    from triage_jax.probe import diagnostics
 
     samples, learner_logps, results = {}, {}, {}
     for s in settings:

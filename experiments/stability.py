@@ -38,10 +38,10 @@ from experiments import common  # noqa: E402
 ARMS = {
     "bf16": {"sampler.precision": "bf16", "rl.correction": "none"},
     "nvfp4": {"sampler.precision": "w4a4", "rl.correction": "none"},
-    "nvfp4_tis": {"sampler.precision": "w4a4", "rl.correction": "token_tis", "rl.tis_c": 2.0},
+    "nvfp4_tis": {"sampler.precision": "w4a4", "rl.correction": "token_tis", "rl.token_tis.C": 2.0},
     "nvfp4_triage": {"sampler.precision": "w4a4", "rl.correction": "triage"},
     "triage_no_repair": {"sampler.precision": "w4a4", "rl.correction": "triage", "rl.triage.lambda_rep": 0.0},
-    "tis_from_branch": {"sampler.precision": "w4a4", "rl.correction": "token_tis", "rl.tis_c": 2.0},
+    "tis_from_branch": {"sampler.precision": "w4a4", "rl.correction": "token_tis", "rl.token_tis.C": 2.0},
 }
 BRANCH_PARENT = {"tis_from_branch": "nvfp4"}
 
@@ -140,21 +140,22 @@ def arm_config(args, arm: str, seed: int):
 
 
 def eval_examples(c, n: int):
-    """Held-out problems: the eval tool's synthetic split (another seed of the training generator)."""
-    from triage_jax.data.synthetic import SyntheticMathSource
+    """Held-out problems: the run's held-out synthetic split (`build.held_out`, as tools/eval)."""
+    from triage_jax import build
 
-    src = SyntheticMathSource(n, seed=c.seed + 10_000, levels=tuple(c.data.levels), template=c.data.template)
-    return [src[i] for i in range(n)]
+    return list(build.held_out(c, n))
 
 
 def evaluate_model(model, tok, c, args) -> dict:
-    """avg@n and pass@k (tools/eval) of the learner's weights sampled in BF16 at T=1 (the eval tool's defaults)."""
+    """avg@n and pass@k (triage_jax.evaluation) of the learner's weights sampled in BF16 at T=1 (the eval tool's
+    defaults)."""
     from triage_jax import sampler
-    from triage_jax.tools.eval import evaluate
+    from triage_jax.evaluation import evaluate
 
     return evaluate(model, tok, eval_examples(c, args.eval_problems), n=args.eval_n, ks=args.ks, temperature=1.0,
-                    top_p=args.eval_top_p, top_k=0, policy=sampler.sampler_policy("bf16"), reward=args.eval_reward, batch=64,
-                    seed=1234, max_prompt_len=c.sampler.max_prompt_len, max_new_tokens=c.sampler.max_new_tokens)
+                    top_p=args.eval_top_p, top_k=0, policy=sampler.sampler_policy("bf16"), reward=args.eval_reward,
+                    batch=64, seed=1234, max_prompt_len=c.sampler.max_prompt_len,
+                    max_new_tokens=c.sampler.max_new_tokens)
 
 
 def fresh_run_dir(path: str) -> None:

@@ -1,4 +1,5 @@
-"""Eval: the unbiased pass@k estimator, and the CLI on a local GSM8K-format file with an HF checkpoint."""
+"""Eval: the unbiased pass@k estimator (triage_jax.evaluation), and the CLI on a local GSM8K-format file with an HF
+checkpoint."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import pytest
 from flax import nnx
 
 from triage_jax import models
-from triage_jax.tools.eval import pass_at_k
+from triage_jax.evaluation import pass_at_k
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

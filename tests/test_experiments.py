@@ -1,5 +1,8 @@
-"""The experiment scripts: helpers, the ordering checks of the mismatch matrix, and --quick runs of both studies."""
+"""The experiment scripts: their imports (library only), helpers, the ordering checks of the mismatch matrix, and
+--quick runs of both studies."""
 
+import ast
+import glob
 import json
 import math
 import os
@@ -16,8 +19,66 @@ sys.path.insert(0, ROOT)
 from experiments import common, mismatch_matrix, stability  # noqa: E402
 
 # Settings that make a run take seconds: a 4-step warm-up cached under tmp_path, 2 prompts x 4 responses.
-TINY_SET = ["warmup.steps=4", "warmup.batch_size=8", "rl.dynamic_sampling=False", "sampler.max_new_tokens=12",
-            "rl.max_response_len=12"]
+TINY_SET = ["warmup.steps=4", "warmup.batch_size=8", "rl.dynamic_sampling=False", "sampler.max_new_tokens=12"]
+
+
+# ------------------------------------------------------------------------------------------------ layering
+
+def _experiment_sources():
+    """(name, Python source) of every study script, notebook generator and notebook code cell in experiments/."""
+    import nbformat
+
+    for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py"))
+                       + glob.glob(os.path.join(ROOT, "experiments", "notebooks", "*.py"))):
+        with open(path) as f:
+            yield os.path.relpath(path, ROOT), f.read()
+    for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "notebooks", "*.ipynb"))):
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+            # IPython magics and shell escapes are not Python: blank them out.
+            lines = ["" if ln.lstrip().startswith(("%", "!")) else ln for ln in cell.source.splitlines()]
+            yield f"{os.path.relpath(path, ROOT)} code cell {i}", "\n".join(lines)
+
+
+def forbidden_imports(source: str) -> list[str]:
+    """The imports of `source` the experiments may not make: anything under triage_jax.tools (CLIs), and anything
+    of triage_jax.trainer but its library loop, Trainer."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "triage_jax.tools" or a.name.startswith(("triage_jax.tools.", "triage_jax.trainer")):
+                    bad.append(f"import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [a.name for a in node.names]
+            if node.module == "triage_jax.tools" or node.module.startswith("triage_jax.tools."):
+                bad.append(f"from {node.module} import {', '.join(names)}")
+            elif node.module == "triage_jax" and "tools" in names:
+                bad.append("from triage_jax import tools")
+            elif node.module == "triage_jax.trainer" and set(names) - {"Trainer"}:
+                bad.append(f"from triage_jax.trainer import {', '.join(names)}")
+    return bad
+
+
+def test_forbidden_imports_are_detected():
+    src = ("from triage_jax.tools.mismatch import diagnostics\nimport triage_jax.tools.eval\n"
+           "from triage_jax import tools, probe\nfrom triage_jax.trainer import Trainer, load_policy\n"
+           "def f():\n    from triage_jax.tools import eval\n")
+    assert len(forbidden_imports(src)) == 5
+    ok = "from triage_jax import build, probe\nfrom triage_jax.trainer import Trainer\nfrom . import tools\n"
+    assert forbidden_imports(ok) == []
+
+
+def test_experiments_import_only_library_modules():
+    """The studies and notebooks build on triage_jax's library modules, never on the CLIs in triage_jax.tools nor
+    the trainer's internals (project rule: one owner for each concept, tools/ holds CLIs only)."""
+    sources = list(_experiment_sources())
+    names = {n for n, _ in sources}
+    assert {"experiments/common.py", "experiments/stability.py", "experiments/mismatch_matrix.py",
+            "experiments/notebooks/make_notebooks.py"} <= names
+    assert any(n.startswith("experiments/notebooks/run_diagnostics.ipynb") for n in names)
+    bad = {name: b for name, src in sources if (b := forbidden_imports(src))}
+    assert not bad, f"experiments import CLI or trainer internals: {bad}"
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -168,7 +229,7 @@ def test_arm_configs_differ_only_where_they_should(tmp_path):
     a = stability.parse_args(["--quick", "--out_dir", str(tmp_path)])
     cfgs = {arm: stability.arm_config(a, arm, 1) for arm in stability.ARMS}
     assert cfgs["bf16"].sampler.precision == "bf16" and cfgs["nvfp4"].sampler.precision == "w4a4"
-    assert cfgs["nvfp4_tis"].rl.correction == "token_tis" and cfgs["nvfp4_tis"].rl.tis_c == 2.0
+    assert cfgs["nvfp4_tis"].rl.correction == "token_tis" and cfgs["nvfp4_tis"].rl.token_tis.C == 2.0
     assert cfgs["triage_no_repair"].rl.triage.lambda_rep == 0.0 and cfgs["nvfp4_triage"].rl.triage.lambda_rep > 0
     assert len({c.run_dir for c in cfgs.values()}) == len(cfgs)
     for c in cfgs.values():

@@ -62,7 +62,7 @@ def _tiny_run(tmp_path):
     common.set_values(c, {"run_dir": str(tmp_path / "run"), "warmup.cache_dir": str(tmp_path / "warm"),
                           "warmup.steps": 4, "warmup.batch_size": 8, "rl.num_prompts": 2, "rl.group_size": 4,
                           "rl.mini_batch": 8, "rl.micro_batch": 8, "rl.dynamic_sampling": False,
-                          "sampler.max_new_tokens": 12, "rl.max_response_len": 12, "train.steps": 3,
+                          "sampler.max_new_tokens": 12, "train.steps": 3,
                           "train.progress": False, "rl.correction": "none", "rl.triage.segment_len": 4})
     Trainer(c).run()
     with open(os.path.join(c.run_dir, "config.json"), "w") as f:

@@ -109,10 +109,10 @@ Load the run's newest checkpoint, sample held-out problems with the run's sample
 log-probs with the learner's precision. Each row is one response (grouped by advantage sign), each column a
 response position; dotted lines are the TRIAGE segment boundaries."""),
     ("code", """\
-from triage_jax.trainer import load_policy
-from triage_jax.rl import TriageConfig, segment_stats, gate_weights, mismatch_metrics
+from triage_jax import build
+from triage_jax.rl import segment_stats, gate_weights, mismatch_metrics
 
-model, tok, step = load_policy(cfg)
+model, tok, step = build.load_policy(cfg)
 prompts, truths = common.held_out_prompts(cfg, tok, 16)
 out, adv, scored = common.sample(model, tok, prompts, truths, sampler=cfg.sampler.precision,
                                  kv=cfg.sampler.kv_cache, group_size=cfg.rl.group_size,
@@ -120,7 +120,7 @@ out, adv, scored = common.sample(model, tok, prompts, truths, sampler=cfg.sample
                                  seed=0, max_cache_len=cfg.sampler.max_prompt_len + cfg.sampler.max_new_tokens)
 delta = common.delta_of(common.learner_logprobs(model, out, cfg.learner.precision,
                                                 temperature=cfg.sampler.temperature), out)
-tcfg = TriageConfig(**cfg.rl.triage.to_dict())
+tcfg = build.triage(cfg)
 mask = np.asarray(out.mask)
 d = np.where(mask, np.asarray(delta), np.nan)
 adv_np = np.asarray(adv)
@@ -333,6 +333,8 @@ def build(cells) -> nbformat.NotebookNode:
     nb.metadata["language_info"] = {"name": "python"}
     nb.metadata["colab"] = {"provenance": []}
     nb.cells = [v4.new_markdown_cell(src) if kind == "md" else v4.new_code_cell(src) for kind, src in cells]
+    for i, cell in enumerate(nb.cells):  # fixed ids (nbformat draws random ones), so regenerating changes nothing
+        cell.id = f"cell-{i:02d}"
     return nb
 
 

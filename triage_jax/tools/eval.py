@@ -6,65 +6,25 @@
 The policy is the newest (or given) checkpoint of the config's run_dir, else config.model.hf_path. pass@k uses
 the unbiased estimator 1 - C(n-c, k) / C(n, k) over n samples per problem (Chen et al., 2021); avg@n is the
 mean accuracy of all samples. Correctness is judged by math-verify (`--reward=dapo` for the training rule).
+The synthetic set is the run's held-out split (`build.held_out`). The estimators and the sampling loop are
+`triage_jax.evaluation`; this module is its command line.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
-    if k > n:
-        raise ValueError(f"pass@k needs k <= n, got k={k}, n={n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def evaluate(model, tok, examples, *, n: int, ks, temperature, top_p, top_k, policy, reward: str, batch: int,
-             seed: int, max_prompt_len: int, max_new_tokens: int) -> dict:
-    """Sample n responses per problem and score them; returns avg@n and pass@k for each k."""
-    import jax
-
-    from triage_jax import sampler
-    from triage_jax.data.rewards import score_batch
-
-    scfg = sampler.SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k,
-                                  max_new_tokens=max_new_tokens, stop_ids=tuple(tok.eos_ids))
-    prepared = sampler.prepare_model(model, policy)
-    rows = [(i, tok.encode_prompt(ex.prompt)) for i, ex in enumerate(examples) for _ in range(n)]
-    correct = np.zeros(len(rows), bool)
-    key = jax.random.key(seed)
-    for start in range(0, len(rows), batch):
-        chunk = rows[start: start + batch]
-        out = sampler.generate(prepared, [p for _, p in chunk], scfg, policy=policy,
-                               key=jax.random.fold_in(key, start), pad_id=tok.pad_id,
-                               max_cache_len=max_prompt_len + max_new_tokens)
-        toks, lens = np.asarray(out.tokens), np.asarray(out.lengths)
-        texts = [tok.decode(toks[j, : lens[j]]) for j in range(len(chunk))]
-        truths = [examples[i].ground_truth for i, _ in chunk]
-        correct[start: start + len(chunk)] = score_batch(texts, truths, reward=reward).accuracy
-    c_per = correct.reshape(len(examples), n).sum(1)
-    out = {"problems": len(examples), "n": n, f"avg@{n}": float(correct.mean())}
-    for k in ks:
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in c_per]))
-    return out
-
-
 def main(argv) -> None:
     del argv
-    from triage_jax import sampler
+    from triage_jax import build, sampler
     from triage_jax.config import validate
     from triage_jax.data.sources import load_eval_set
-    from triage_jax.data.synthetic import SyntheticMathSource
-    from triage_jax.trainer import load_policy
+    from triage_jax.evaluation import evaluate
 
     c = _CONFIG.value
     if c is None:
@@ -74,15 +34,13 @@ def main(argv) -> None:
         sys.exit(f"error: every --k must be <= --n={_N.value}, got {ks}")
     validate(c)
     if _SET.value == "synthetic":
-        # Held out from training: another seed of the same generator.
-        examples = list(SyntheticMathSource(_LIMIT.value or 500, seed=c.seed + 10_000, levels=tuple(c.data.levels),
-                                            template=c.data.template))
+        examples = list(build.held_out(c, _LIMIT.value or 500))  # problems training never sees
     else:
         if not _PATH.value:
             sys.exit(f"error: --eval_set={_SET.value} needs --eval_path=FILE")
         examples = load_eval_set(_SET.value, _PATH.value, template=c.data.template,
                                  limit=_LIMIT.value or None).examples
-    model, tok, step = load_policy(c, step=_STEP.value)
+    model, tok, step = build.load_policy(c, step=_STEP.value)
     res = evaluate(model, tok, examples, n=_N.value, ks=ks, temperature=_TEMP.value, top_p=_TOP_P.value,
                    top_k=_TOP_K.value, policy=sampler.sampler_policy(_PRECISION.value), reward=_REWARD.value,
                    batch=_BATCH.value, seed=_SEED.value, max_prompt_len=c.sampler.max_prompt_len,

@@ -6,27 +6,26 @@ delta = learner log-prob - sampler log-prob per response token (spec rl_math.md)
 problems (character tokenizer; a checkpoint's own tokenizer.json with --checkpoint), or random token ids with
 --prompts=random. Responses are scored with the DAPO reward and grouped (--group_size samples per prompt) to give
 the advantages of the quadrant metrics; a random-init model answers nothing right, so those are NaN (empty
-denominators) there, and random prompts (nothing to score) use advantage 1 for every response. Prints a table of every diagnostic of `triage_jax.rl.mismatch_metrics` and one JSON line.
+denominators) there, and random prompts (nothing to score) use advantage 1 for every response. Prints a table of
+every diagnostic of `triage_jax.rl.mismatch_metrics` and one JSON line. The probe itself (sampling, recompute,
+scoring, diagnostics) is `triage_jax.probe`; this module is its command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from triage_jax import models
-from triage_jax.logprobs import response_logprobs
-from triage_jax.quant import PRESETS, PrecisionPolicy
-from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
+from triage_jax import data, models, probe
+from triage_jax.quant import PRESETS
+from triage_jax.rl.delta import token_delta
+from triage_jax.sampler import SamplingConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,10 +63,6 @@ def build_model(args):
 
 def _tokenizer(args, vocab_size: int):
     """The prompt tokenizer: the checkpoint's tokenizer.json, or characters for a preset; None if unusable."""
-    try:
-        from triage_jax import data
-    except ImportError:
-        return None, "triage_jax.data is not available"
     if args.checkpoint:
         try:
             tok = data.load_tokenizer(args.checkpoint)
@@ -85,76 +80,10 @@ def make_prompts(args, vocab_size: int):
     if args.prompts == "synthetic":
         tok, why = _tokenizer(args, vocab_size)
         if tok is not None:
-            from triage_jax.data import synthetic_examples
-
-            examples = synthetic_examples(args.num_prompts, seed=args.seed)
-            prompts = [tok.encode_prompt(ex.prompt) for ex in examples]
-            return prompts, [ex.ground_truth for ex in examples], tok, tok.pad_id, tuple(tok.eos_ids)
+            prompts, truths = probe.encode_examples(tok, data.synthetic_examples(args.num_prompts, seed=args.seed))
+            return prompts, truths, tok, tok.pad_id, tuple(tok.eos_ids)
         print(f"mismatch: {why}; using random prompts of {args.prompt_len} tokens", file=sys.stderr)
-    rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(1, vocab_size, args.prompt_len).tolist() for _ in range(args.num_prompts)]
-    return prompts, None, None, 0, ()
-
-
-def advantages(responses_bn, mask_bn, truths, tok, group_size):
-    """GRPO group advantages of the scored responses; ones for random prompts (nothing to score: every token then
-    counts as positive-advantage in the quadrant metrics)."""
-    n = responses_bn.shape[0]
-    if truths is None:
-        return jnp.ones((n,), jnp.float32), None
-    from triage_jax.data import score_batch
-    from triage_jax.rl import group_advantages
-
-    texts = [tok.decode(r[m]) for r, m in zip(np.asarray(responses_bn), np.asarray(mask_bn))]
-    scored = score_batch(texts, [t for t in truths for _ in range(group_size)])
-    # A group of one has no spread to normalize by (Dr. GRPO centering only; its advantage is then 0).
-    return group_advantages(scored.rewards, group_size, std_normalize=group_size > 1), scored
-
-
-HEADLINE = ("mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token")
-
-
-def diagnostics(adv_n, delta_bn, mask_bn) -> dict[str, float]:
-    """rl.mismatch_metrics (headline metrics first), or mean |delta| and its quantiles without triage_jax.rl."""
-    try:
-        from triage_jax.rl import mismatch_metrics
-    except ImportError:
-        mismatch_metrics = None
-    if mismatch_metrics is not None:
-        m = {k: float(v) for k, v in mismatch_metrics(adv_n, delta_bn, mask_bn.astype(jnp.float32)).items()}
-        return {**{k: m[k] for k in HEADLINE if k in m}, **{k: v for k, v in m.items() if k not in HEADLINE}}
-    d = np.asarray(delta_bn)[np.asarray(mask_bn)]
-    q05, q50, q95 = np.quantile(d, [0.05, 0.5, 0.95])
-    return {"mean_abs_delta": float(np.abs(d).mean()), "delta_q05": q05, "delta_q50": q50, "delta_q95": q95}
-
-
-def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: str, seed: int, pad_id: int,
-                     max_cache_len: int | None = None):
-    """The sampler side of the probe: `prompts` answered under the `sampler` preset (weights quantized once)."""
-    policy = sampler_policy(sampler, kv_cache=kv)
-    return generate(prepare_model(model, policy), prompts, cfg, policy=policy, key=jax.random.key(seed),
-                    pad_id=pad_id, max_cache_len=max_cache_len)
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_logprobs(temperature: float, vocab_chunk: int):
-    return jax.jit(
-        lambda gd, st, pol, *a: response_logprobs(nnx.merge(gd, st), *a, policy=pol, temperature=temperature,
-                                                  vocab_chunk=vocab_chunk),
-        static_argnums=(0, 2))
-
-
-def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int):
-    """The learner side: log-probs [N, T] of the sampled tokens in one teacher-forced pass under `learner`."""
-    graphdef, state = nnx.split(model)
-    return _jitted_logprobs(float(temperature), int(vocab_chunk))(
-        graphdef, state, PrecisionPolicy.from_spec(learner), out.prompt_tokens, out.prompt_mask, out.tokens,
-        out.mask)
-
-
-def token_delta(learner_logp, out):
-    """delta = learner - sampler log-prob on real response tokens, 0 on padding ([N, T])."""
-    return jnp.where(out.mask, learner_logp - out.logprobs, 0.0)
+    return probe.random_prompts(vocab_size, args.num_prompts, args.prompt_len, seed=args.seed), None, None, 0, ()
 
 
 def run(args) -> dict:
@@ -166,21 +95,22 @@ def run(args) -> dict:
                          top_k=args.top_k, stop_ids=stop_ids)
 
     t0 = time.perf_counter()
-    out = sample_responses(model, prompts, cfg, sampler=args.sampler, kv=args.kv, seed=args.seed, pad_id=pad_id)
+    out = probe.sample_responses(model, prompts, cfg, sampler=args.sampler, kv=args.kv, seed=args.seed,
+                                 pad_id=pad_id)
     out.tokens.block_until_ready()
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
-    learner_logp = recompute_logprobs(model, out, args.learner, temperature=args.temperature,
-                                      vocab_chunk=args.vocab_chunk)
+    learner_logp = probe.recompute_logprobs(model, out, args.learner, temperature=args.temperature,
+                                            vocab_chunk=args.vocab_chunk)
     learner_logp.block_until_ready()
     t_learn = time.perf_counter() - t0
 
-    delta = token_delta(learner_logp, out)
-    adv, scored = advantages(out.tokens, out.mask, truths, tok, args.group_size)
+    delta = token_delta(learner_logp, out.logprobs, out.mask)
+    adv, scored = probe.advantages(out.tokens, out.mask, truths, tok, args.group_size)
     if not bool(jnp.any(adv != 0)):
         print("mismatch: every group scored alike, so all advantages are 0 and the advantage-weighted metrics "
               "(quadrant masses, rho_asym, tail shares) are NaN", file=sys.stderr)
-    metrics = diagnostics(adv, delta, out.mask)
+    metrics = probe.diagnostics(adv, delta, out.mask)
     return {
         "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
         "dtype": args.dtype, "responses": len(prompts), "response_tokens": int(out.mask.sum()),

@@ -1,0 +1,94 @@
+"""The mismatch probe: sample under the sampler's precision, recompute log-probs under the learner's, measure the gap.
+
+The library side of `python -m triage_jax.tools.mismatch`, shared with the studies and notebooks in experiments/:
+
+    out = sample_responses(model, prompts, cfg, sampler="w4a4", kv="bf16", seed=0, pad_id=tok.pad_id)
+    learner_logp = recompute_logprobs(model, out, "bf16", temperature=1.0, vocab_chunk=vocab)
+    delta = token_delta(learner_logp, out.logprobs, out.mask)       # from triage_jax.rl.delta (the one definition)
+    adv, scored = advantages(out.tokens, out.mask, truths, tok, group_size)
+    metrics = diagnostics(adv, delta, out.mask)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from triage_jax.data.rewards import score_batch
+from triage_jax.logprobs import response_logprobs
+from triage_jax.quant import PrecisionPolicy
+from triage_jax.rl import group_advantages, mismatch_metrics
+from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
+
+__all__ = ["HEADLINE", "advantages", "diagnostics", "encode_examples", "random_prompts", "recompute_logprobs",
+           "sample_responses"]
+
+# The metrics a report shows first (the rest of rl.mismatch_metrics follow in their own order).
+HEADLINE = ("mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token")
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+def encode_examples(tok, examples) -> tuple[list[list[int]], list[str]]:
+    """(token-id prompts, ground truths) of MathExamples under `tok`'s prompt encoding."""
+    examples = list(examples)
+    return [tok.encode_prompt(ex.prompt) for ex in examples], [ex.ground_truth for ex in examples]
+
+
+def random_prompts(vocab_size: int, num_prompts: int, prompt_len: int, *, seed: int) -> list[list[int]]:
+    """`num_prompts` prompts of `prompt_len` uniform token ids in [1, vocab_size) (id 0 is left for padding)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab_size, prompt_len).tolist() for _ in range(num_prompts)]
+
+
+# ------------------------------------------------------------------------------------------------ both sides
+
+def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: str, seed: int, pad_id: int,
+                     max_cache_len: int | None = None):
+    """The sampler side: `prompts` answered under the `sampler` preset (weights quantized once) -> SampleOutput."""
+    policy = sampler_policy(sampler, kv_cache=kv)
+    return generate(prepare_model(model, policy), prompts, cfg, policy=policy, key=jax.random.key(seed),
+                    pad_id=pad_id, max_cache_len=max_cache_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_logprobs(temperature: float, vocab_chunk: int):
+    return jax.jit(
+        lambda gd, st, pol, *a: response_logprobs(nnx.merge(gd, st), *a, policy=pol, temperature=temperature,
+                                                  vocab_chunk=vocab_chunk),
+        static_argnums=(0, 2))
+
+
+def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int) -> jax.Array:
+    """The learner side: log-probs [N, T] of `out`'s sampled tokens in one teacher-forced pass under the `learner`
+    preset (one compilation per (temperature, vocab_chunk, model structure, preset))."""
+    graphdef, state = nnx.split(model)
+    return _jitted_logprobs(float(temperature), int(vocab_chunk))(
+        graphdef, state, PrecisionPolicy.from_spec(learner), out.prompt_tokens, out.prompt_mask, out.tokens,
+        out.mask)
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+
+def advantages(responses_bn, mask_bn, truths: Sequence[str] | None, tok, group_size: int):
+    """(GRPO group advantages [N], BatchRewards) of the responses scored with the DAPO reward against `truths` (one
+    per prompt; responses come `group_size` per prompt, in order). Without truths (random prompts: nothing to score)
+    every advantage is 1, so every token counts as positive-advantage in the quadrant metrics, and scored is None."""
+    n = responses_bn.shape[0]
+    if truths is None:
+        return jnp.ones((n,), jnp.float32), None
+    texts = [tok.decode(r[m]) for r, m in zip(np.asarray(responses_bn), np.asarray(mask_bn))]
+    scored = score_batch(texts, [t for t in truths for _ in range(group_size)])
+    # A group of one has no spread to normalize by (Dr. GRPO centering only; its advantage is then 0).
+    return group_advantages(scored.rewards, group_size, std_normalize=group_size > 1), scored
+
+
+def diagnostics(adv_n, delta_bn, mask_bn) -> dict[str, float]:
+    """Every diagnostic of `rl.mismatch_metrics` as floats, the HEADLINE metrics first."""
+    m = {k: float(v) for k, v in mismatch_metrics(adv_n, delta_bn, jnp.asarray(mask_bn).astype(jnp.float32)).items()}
+    return {**{k: m[k] for k in HEADLINE if k in m}, **{k: v for k, v in m.items() if k not in HEADLINE}}
