@@ -32,7 +32,6 @@ def dapo_config(preset: str):
     c.rl.agg = "token-mean"
     c.rl.kl_coef = 0.0
     c.rl.dynamic_sampling = True
-    c.rl.max_response_len = 20480
     c.rl.overlong_buffer = 4096
     c.rl.overlong_factor = 1.0
     c.optim.lr = 1e-6

@@ -27,7 +27,7 @@ def test_paper_configs_need_paths(name, tmp_path):
     c = load(name)
     validate(c, check_paths=False)
     assert c.rl.num_prompts == 512 and c.rl.group_size == 16 and c.rl.mini_batch == 512
-    assert c.optim.lr == 1e-6 and c.rl.max_response_len == 20480 and c.rl.overlong_buffer == 4096
+    assert c.optim.lr == 1e-6 and c.sampler.max_new_tokens == 20480 and c.rl.overlong_buffer == 4096
     with pytest.raises(ConfigError, match="--config.model.hf_path"):
         validate(c)
     c.model.hf_path = str(tmp_path)
@@ -43,7 +43,20 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("sampler.precision", "w3a3", "sampler.precision"),
         ("rl.correction", "magic", "rl.correction"),
         ("rl.triage.g_hi", 0.01, "rl.triage.g_hi"),
-        ("sampler.max_new_tokens", 1000, "sampler.max_new_tokens"),
+        ("sampler.max_new_tokens", 0, "sampler.max_new_tokens"),
+        # The overlong buffer is checked against the one response length, sampler.max_new_tokens (24).
+        ("rl.overlong_buffer", 24, "sampler.max_new_tokens=24"),
+        ("rl.token_tis.C", -1.0, "rl.token_tis"),
+        ("rl.icepop.a", 9.0, "rl.icepop"),
+        ("rl.seq_mis.lo", 3.0, "rl.seq_mis"),
+        ("optim.lr", float("inf"), "optim.lr"),
+        ("optim.lr", float("nan"), "optim.lr"),
+        ("train.ckpt_every", 0, "train.ckpt_every"),
+        ("train.keep_checkpoints", 0, "train.keep_checkpoints"),
+        ("train.max_nonfinite", 0, "train.max_nonfinite"),
+        ("warmup.steps", 0, "warmup.steps"),
+        ("warmup.batch_size", 0, "warmup.batch_size"),
+        ("rl.max_resample", -1, "rl.max_resample"),
     ],
 )
 def test_bad_values_name_the_key(key, value, match):
@@ -75,3 +88,55 @@ def test_unknown_key_is_rejected():
     c = base_config()
     with pytest.raises(AttributeError):
         c.rl.no_such_key = 1
+
+
+@pytest.mark.parametrize("old,new", [("rl.max_response_len", "sampler.max_new_tokens"), ("rl.tis_c", "rl.token_tis.C"),
+                                     ("rl.icepop_hi", "rl.icepop.b"), ("rl.geo_lo", "rl.geo_rs.lo")])
+def test_moved_keys_name_their_replacement(old, new):
+    c = base_config()
+    sect, name = old.split(".")
+    c[sect][name] = 12
+    with pytest.raises(ConfigError, match=f"config.{old}.*{new}"):
+        validate(c)
+
+
+def test_moved_key_on_the_command_line_names_its_replacement():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "triage_jax.main", "--config=configs/tiny.py",
+                          "--config.rl.max_response_len=8"], cwd=CONFIGS.parent, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "sampler.max_new_tokens" in out.stderr
+
+
+def test_correction_settings_are_registry_sub_dicts():
+    """Every registered correction with settings has a sub-dict named like its key, defaulted from its config
+    dataclass, and build.correction hands the active one to the learner."""
+    import dataclasses
+
+    from triage_jax import build
+    from triage_jax.rl.corrections import CORRECTIONS
+
+    c = base_config()
+    for name, corr in CORRECTIONS.items():
+        fields = {f.name: f.default for f in dataclasses.fields(corr.config_cls)}
+        assert (c.rl[name].to_dict() if fields else {}) == fields
+    c.rl.correction = "icepop"
+    c.rl.icepop.b = 4.0
+    got = build.correction(c)
+    assert got.name == "icepop" and (got.cfg.a, got.cfg.b) == (0.5, 4.0)
+
+
+def test_validation_reads_the_registries(monkeypatch):
+    """A correction registered at run time is accepted without touching config.py."""
+    import dataclasses
+
+    from triage_jax.rl import corrections
+
+    c = base_config()
+    c.rl.correction = "my_rule"
+    with pytest.raises(ConfigError, match="rl.correction"):
+        validate(c)
+    monkeypatch.setitem(corrections.CORRECTIONS, "my_rule", dataclasses.replace(corrections.CORRECTIONS["none"]))
+    validate(c)

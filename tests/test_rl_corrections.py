@@ -26,7 +26,8 @@ def run(name, delta, mask, adv=None, cfg=None):
 
 
 def test_registry_and_defaults():
-    assert set(CORRECTIONS) == {"none", "token_tis", "seq_tis", "seq_mis", "icepop", "geo_rs", "triage"}
+    assert set(CORRECTIONS) == {"none", "token_tis", "seq_tis", "seq_mis", "seq_mis_reject", "icepop", "geo_rs",
+                                "triage"}
     assert make_config("token_tis").C == 2.0 and make_config("seq_tis").C == 2.0
     assert (make_config("seq_mis").lo, make_config("seq_mis").C) == (0.5, 2.0)
     assert (make_config("icepop").a, make_config("icepop").b) == (0.5, 5.0)
@@ -77,10 +78,20 @@ def test_seq_tis():
     assert met["frac_clipped"] == pytest.approx(5 / 8)
 
 
-def test_seq_mis():
-    # exp(row sum): 3 (> C = 2, dropped), 0.8 (kept), 0.4 (< 0.5, dropped).
+def test_seq_mis_is_masked_importance_sampling():
+    # exp(row sum): 3 (> C = 2, dropped), 0.8 (kept, weight 0.8), 0.4 (< 0.5, dropped), 1.5 (kept, weight 1.5).
+    delta = np.array([[LN(3.0), 0.0], [LN(0.8), 0.0], [LN(0.4), 0.0], [LN(0.5), LN(3.0)]], np.float32)
+    w, m, met = run("seq_mis", delta, np.ones((4, 2), bool))
+    np.testing.assert_array_equal(m, [[False, False], [True, True], [False, False], [True, True]])
+    np.testing.assert_allclose(w, [[0, 0], [0.8, 0.8], [0, 0], [1.5, 1.5]], rtol=1e-6)
+    assert met["frac_masked"] == pytest.approx(1 / 2) and met["frac_clipped"] == 0.0
+    assert met["weight_mean"] == pytest.approx(1.15) and met["weight_max"] == pytest.approx(1.5)
+    assert met["ess"] == pytest.approx((2 * 2.3) ** 2 / (2 * (0.64 + 2.25)) / 8, rel=1e-5)
+
+
+def test_seq_mis_reject_keeps_weight_one():
     delta = np.array([[LN(3.0), 0.0], [LN(0.8), 0.0], [LN(0.4), 0.0]], np.float32)
-    w, m, met = run("seq_mis", delta, np.ones((3, 2), bool))
+    w, m, met = run("seq_mis_reject", delta, np.ones((3, 2), bool))
     np.testing.assert_array_equal(m, [[False, False], [True, True], [False, False]])
     np.testing.assert_array_equal(w, [[0, 0], [1, 1], [0, 0]])
     assert met["frac_masked"] == pytest.approx(2 / 3) and met["frac_clipped"] == 0.0
@@ -129,7 +140,8 @@ def test_weights_bounded_zero_outside_mask_and_no_gradient(vals, lens, name):
     w, m = np.asarray(out.weights), np.asarray(out.mask)
     assert m.dtype == mask.dtype and np.all(m <= mask)
     assert np.all(w[~m] == 0) and np.all(np.isfinite(w)) and np.all(w >= 0)
-    bound = {"token_tis": 2.0, "seq_tis": 2.0, "icepop": 5.0 * (1 + 1e-6), "none": 1.0, "seq_mis": 1.0, "geo_rs": 1.0}
+    bound = {"token_tis": 2.0, "seq_tis": 2.0, "icepop": 5.0 * (1 + 1e-6), "none": 1.0, "seq_mis": 2.0 * (1 + 1e-6),
+             "seq_mis_reject": 1.0, "geo_rs": 1.0}
     if name in bound:
         assert np.all(w <= bound[name])
     for k in ("frac_clipped", "frac_masked", "ess"):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triage_jax.rl.grpo import (AGGREGATIONS, aggregate, dynamic_sampling_keep, entropy_from_logits,
+from triage_jax.rl.grpo import (AGGREGATIONS, aggregate, dynamic_sampling_keep, entropy_from_logits, metric_means,
                                 group_advantages, k3_kl, masked_entropy, overlong_penalty, policy_loss)
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -41,9 +41,11 @@ def test_group_advantages_errors(rewards, g, kwargs, msg):
 
 
 def test_dynamic_sampling_and_overlong():
-    r = np.array([1, 1, 1, 0, 1, -1, -1, -1, 0.5, 0.5, 0.5, 0.5], np.float32)
-    np.testing.assert_array_equal(dynamic_sampling_keep(r, 4), [True, True, False])
-    np.testing.assert_array_equal(dynamic_sampling_keep(r, 2), [False, True, True, False, False, False])
+    # Correctness 0/1: keep a group when 0 < (number correct) < G.
+    correct = np.array([1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0], np.float32)
+    np.testing.assert_array_equal(dynamic_sampling_keep(correct, 4), [True, True, False])
+    np.testing.assert_array_equal(dynamic_sampling_keep(correct, 2), [False, True, True, False, False, False])
+    np.testing.assert_array_equal(dynamic_sampling_keep(correct.astype(bool), 4), [True, True, False])
     # L = 20, B = 4: no penalty up to 16 tokens, linear to -1 at 20, floored at -1 beyond.
     lens = np.array([10, 16, 17, 18, 20, 25])
     np.testing.assert_allclose(overlong_penalty(lens, 20, 4), [0, 0, -0.25, -0.5, -1.0, -1.0])
@@ -62,15 +64,19 @@ def test_policy_loss_hand_cases():
     mask = np.array([[1, 1, 1, 1, 0]], bool)
     old_pad = old.copy()
     old_pad[0, 4] = np.inf  # padding holds garbage
-    s, d, m = policy_loss(logp, old_pad, adv, mask)
-    assert float(d) == 4
+    s, d, sums = policy_loss(logp, old_pad, adv, mask)
+    assert float(d) == 4 and float(sums["tokens"]) == 4 and float(sums["clipfrac"]) == 2  # sums, then means
+    m = metric_means(sums)
     np.testing.assert_allclose(s, -1.28 + 1.5 - 0.5 + 0.8, rtol=1e-5)
     assert float(m["clipfrac"]) == 0.5 and float(m["clipfrac_high"]) == 0.25 and float(m["clipfrac_low"]) == 0.25
     np.testing.assert_allclose(m["ratio_mean"], 1.0, rtol=1e-6)
     # Dual clip c = 3: A = -1, r = 5 -> 5 capped at 3.
     s, _, m = policy_loss(np.log(np.array([[5.0]], np.float32)), np.zeros((1, 1), np.float32),
                           np.array([-1.0], np.float32), np.ones((1, 1)), dual_clip=3.0)
-    assert float(s) == pytest.approx(3.0) and float(m["dual_clipfrac"]) == 1.0
+    assert float(s) == pytest.approx(3.0) and float(metric_means(m)["dual_clipfrac"]) == 1.0
+    # No real token: the sums are 0 and the means NaN (an empty denominator, reported).
+    _, _, m = policy_loss(logp, old, adv, np.zeros_like(mask))
+    assert float(m["clipfrac"]) == 0 and np.isnan(float(metric_means(m)["clipfrac"]))
     # Weights scale the per-token loss.
     s, _, _ = policy_loss(logp, old, adv, mask, weights=np.array([[2, 0, 1, 1, 9]], np.float32))
     np.testing.assert_allclose(s, -2.56 - 0.5 + 0.8, rtol=1e-5)

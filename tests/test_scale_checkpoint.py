@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     from triage_jax import models
     from triage_jax.checkpoint import Checkpointer, abstract_like
     from triage_jax.config import base_config
-    from triage_jax.learner import Learner
+    from triage_jax import build
 
     mode, directory, mesh = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     c = base_config()
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     mc = models.get_model_config("tiny_moe", vocab_size=128, num_experts=4, hidden_size=64, intermediate_size=128,
                                  moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                                  head_dim=16, num_hidden_layers=2)
-    learner = Learner(models.Qwen3(mc, rngs=nnx.Rngs(0 if mode == "save" else 1)), c)
+    learner = build.learner(c, models.Qwen3(mc, rngs=nnx.Rngs(0 if mode == "save" else 1)))
     ck = Checkpointer(directory)
     if mode == "save":
         # Make the optimizer state non-trivial: moments filled with a deterministic function of the params.

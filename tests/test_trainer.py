@@ -33,7 +33,6 @@ def small_config(tmp_path, **over):
     c.train.energy_every = 2
     c.train.progress = False
     c.sampler.max_new_tokens = 12
-    c.rl.max_response_len = 12
     c.rl.triage.k_rep = 0  # exercise the repair term from the first update
     for k, v in over.items():
         node = c
@@ -88,12 +87,12 @@ def test_nonfinite_streak(tmp_path):
     real_rollout = tr.rollout
 
     def poisoned(key):
-        ro, s = real_rollout(key)
+        ro, s, secs = real_rollout(key)
         ro.adv[:] = np.nan
-        return ro, s
+        return ro, s, secs
 
     tr.rollout = poisoned
-    m = tr.train_step()  # two skipped updates: streak 2 < 3
+    m = tr.train_step().metrics  # two skipped updates: streak 2 < 3
     assert m["learner/skipped_update"] == 1.0
     after = jax.tree.map(np.asarray, tr.learner.params)
     jax.tree.map(np.testing.assert_array_equal, before, after)
@@ -108,7 +107,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
             "--config.warmup.batch_size=4", "--config.rl.num_prompts=2", "--config.rl.group_size=4",
             "--config.rl.mini_batch=8", "--config.rl.micro_batch=4", "--config.train.steps=1000",
             "--config.train.ckpt_every=1000", "--config.train.progress=False", "--config.sampler.max_new_tokens=8",
-            "--config.rl.max_response_len=8", "--config.rl.max_resample=0"]
+            "--config.rl.max_resample=0"]
     proc = subprocess.Popen(args, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stderr:
@@ -122,3 +121,59 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert "signal 15 received" in log
     steps = [int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()]
     assert steps and max(steps) >= 2
+
+
+def _score_by_length(texts, truths, reward="dapo"):
+    """Stand-in grader: a response is "correct" when its length is even, so groups come out mixed, all right
+    or all wrong depending on the draw (a barely warmed-up model answers nothing right)."""
+    from triage_jax.data.rewards import BatchRewards
+
+    correct = np.array([len(t) % 2 == 0 for t in texts])
+    return BatchRewards(rewards=np.where(correct, 1.0, -1.0).astype(np.float32), accuracy=correct)
+
+
+def test_dynamic_sampling_with_fill_rows(tmp_path, monkeypatch):
+    """The trainer's dynamic-sampling path: flat groups dropped, the batch short of groups gets fill rows, the
+    fill rows are spread so no mini-batch is left without a real token, and the counters say so."""
+    from triage_jax import rollout
+
+    monkeypatch.setattr(rollout, "score_batch", _score_by_length)
+    c = small_config(tmp_path, **{"rl.dynamic_sampling": True, "rl.max_resample": 0, "rl.num_prompts": 4,
+                                  "rl.mini_batch": 8, "rl.micro_batch": 4, "rl.overlong_buffer": 0})
+    tr = Trainer(c)
+    hist = tr.run(max_steps=3)
+    fills = [m["dynamic_sampling/batch_fill"] for m in hist]
+    assert any(0 < f < 1 for f in fills), fills  # some groups kept, some dropped
+    for m in hist:
+        kept = round(m["dynamic_sampling/batch_fill"] * 4)
+        # 4 groups of 4 over 2 mini-batches: a mini-batch is empty only when no group was kept.
+        assert m["learner/empty_minibatches"] == (2 if kept == 0 else 0)
+    assert tr.learner.num_updates == sum(2 - m["learner/empty_minibatches"] for m in hist)
+    assert hist[-1]["learner/updates"] == tr.learner.num_updates
+
+
+def test_no_kept_group_takes_no_step_and_logs_nan(tmp_path, monkeypatch):
+    """Every group flat: the whole batch is fill rows, no mini-batch takes an optimizer step (params and
+    AdamW state bit-identical, update count 0), and the learner's NaN metrics reach TensorBoard."""
+    from triage_jax import rollout
+    from triage_jax.data.rewards import BatchRewards
+
+    monkeypatch.setattr(rollout, "score_batch", lambda texts, truths, reward="dapo": BatchRewards(
+        rewards=np.full(len(texts), -1.0, np.float32), accuracy=np.zeros(len(texts), bool)))
+    c = small_config(tmp_path, **{"rl.dynamic_sampling": True, "rl.max_resample": 1})
+    tr = Trainer(c)
+    before = jax.tree.map(np.asarray, (tr.learner.params, tr.learner.opt_state))
+    hist = tr.run(max_steps=1)
+    after = jax.tree.map(np.asarray, (tr.learner.params, tr.learner.opt_state))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    m = hist[0]
+    assert m["dynamic_sampling/batch_fill"] == 0 and m["dynamic_sampling/rollouts"] == 2
+    assert m["learner/empty_minibatches"] == 2 and tr.learner.num_updates == 0
+    assert np.isnan(m["learner/loss"]) and np.isnan(m["learner/clipfrac"])
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    from common import read_scalars
+
+    scalars = read_scalars(os.path.join(c.run_dir, "tb"))
+    assert np.isnan(scalars["learner/clipfrac"][1]).all()  # logged as NaN, not dropped
+    assert scalars["learner/empty_minibatches"][1].tolist() == [2.0]

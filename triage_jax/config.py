@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import os
 
+import dataclasses
+import math
+import re
+
 import ml_collections
 
-PRECISIONS = ("bf16", "fp8", "w4a16", "w4a8", "w4a4")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-CORRECTIONS = ("none", "token_tis", "seq_tis", "seq_mis", "icepop", "geo_rs", "triage")
-REMAT = ("none", "full", "save_dots")
+from triage_jax.models.config import REMAT_MODES
+from triage_jax.quant import PRESETS
+from triage_jax.rl.corrections import CORRECTIONS
+from triage_jax.rl.grpo import AGGREGATIONS
+
+# Keys that moved: setting one fails in `validate` with the new name (a tombstone of value None in the schema).
+MOVED_KEYS = {
+    "rl.max_response_len": "sampler.max_new_tokens (the one response length)",
+    "rl.tis_c": "rl.token_tis.C / rl.seq_tis.C",
+    "rl.mis_lo": "rl.seq_mis.lo", "rl.mis_hi": "rl.seq_mis.C",
+    "rl.icepop_lo": "rl.icepop.a", "rl.icepop_hi": "rl.icepop.b",
+    "rl.geo_lo": "rl.geo_rs.lo", "rl.geo_hi": "rl.geo_rs.hi",
+}
 
 
 class ConfigError(ValueError):
@@ -45,8 +58,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.levels = (1,)
     c.data.num_examples = 20000
     c.data.max_bad_fraction = 0.01
-    c.data.eval_path = ""
-    c.data.eval_name = "synthetic"
 
     c.warmup = ml_collections.ConfigDict()  # supervised warm-up, runs when no base checkpoint exists
     c.warmup.enabled = True
@@ -81,30 +92,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.std_normalize = True
     c.rl.dynamic_sampling = True
     c.rl.max_resample = 3  # extra rollout batches dynamic sampling may draw to fill a batch
-    c.rl.max_response_len = 24
     c.rl.overlong_buffer = 0
     c.rl.overlong_factor = 1.0
     c.rl.kl_coef = 0.0
-    c.rl.correction = "triage"
-    c.rl.tis_c = 2.0
-    c.rl.mis_lo = 0.5
-    c.rl.mis_hi = 2.0
-    c.rl.icepop_lo = 0.5
-    c.rl.icepop_hi = 5.0
-    c.rl.geo_lo = 0.999
-    c.rl.geo_hi = 1.001
-    c.rl.triage = ml_collections.ConfigDict()
-    c.rl.triage.segment_len = 64
-    c.rl.triage.tau_tail = 0.3
-    c.rl.triage.g_lo = 0.02
-    c.rl.triage.g_hi = 0.10
-    c.rl.triage.f_lo = 0.10
-    c.rl.triage.f_hi = 0.30
-    c.rl.triage.w_min = 0.2
-    c.rl.triage.tau_rep = 0.0
-    c.rl.triage.beta = 0.1
-    c.rl.triage.lambda_rep = 0.5
-    c.rl.triage.k_rep = 100
+    c.rl.correction = "triage"  # a key of rl.corrections.CORRECTIONS
+    # Each correction's settings: a sub-dict named like its registry key, defaults from its config dataclass
+    # (rl.token_tis.C, rl.seq_mis.lo, rl.icepop.b, rl.triage.segment_len, ...).
+    for name, correction in CORRECTIONS.items():
+        fields = {f.name: f.default for f in dataclasses.fields(correction.config_cls)}
+        if fields:
+            c.rl[name] = ml_collections.ConfigDict(fields)
+    for key in MOVED_KEYS:
+        sect, name = key.split(".")
+        c[sect][name] = None
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-4
@@ -116,7 +116,6 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 50
-    c.train.log_every = 1
     c.train.ckpt_every = 10
     c.train.keep_checkpoints = 3
     c.train.max_nonfinite = 3  # consecutive non-finite updates before the run stops
@@ -146,19 +145,23 @@ def _one_of(c, key: str, allowed):
 
 def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     """Check values and cross-key consistency; raise ConfigError naming the key. Cheap: no JAX work."""
-    _one_of(c, "sampler.precision", PRECISIONS)
-    _one_of(c, "learner.precision", PRECISIONS)
+    for key, new in MOVED_KEYS.items():
+        sect, name = key.split(".")
+        if c[sect][name] is not None:
+            _fail(key, f"this key is gone: set config.{new} instead")
+    _one_of(c, "sampler.precision", PRESETS)
+    _one_of(c, "learner.precision", PRESETS)
     _one_of(c, "sampler.kv_cache", ("bf16", "fp8"))
-    _one_of(c, "rl.agg", AGG_MODES)
+    _one_of(c, "rl.agg", AGGREGATIONS)
     _one_of(c, "rl.correction", CORRECTIONS)
-    _one_of(c, "model.remat", REMAT)
+    _one_of(c, "model.remat", REMAT_MODES)
     _one_of(c, "data.source", ("synthetic", "dapo"))
     _one_of(c, "data.template", ("short", "dapo"))
     _one_of(c, "model.dtype", ("float32", "bfloat16"))
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
 
     for key in ("rl.num_prompts", "rl.group_size", "rl.mini_batch", "rl.micro_batch", "train.steps",
-                "sampler.max_new_tokens", "sampler.max_prompt_len", "rl.max_response_len"):
+                "sampler.max_new_tokens", "sampler.max_prompt_len"):
         sect, name = key.split(".")
         if int(c[sect][name]) < 1:
             _fail(key, f"must be >= 1, got {c[sect][name]}")
@@ -190,25 +193,39 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail("rl.eps_low", f"clip range eps_low={rl.eps_low}, eps_high={rl.eps_high} is invalid")
     if rl.dual_clip and rl.dual_clip <= 1:
         _fail("rl.dual_clip", f"dual clip constant must be > 1 (or 0 for off), got {rl.dual_clip}")
-    if rl.overlong_buffer < 0 or rl.overlong_buffer >= rl.max_response_len:
-        _fail("rl.overlong_buffer", f"{rl.overlong_buffer} must be in [0, rl.max_response_len={rl.max_response_len})")
-    if c.sampler.max_new_tokens > rl.max_response_len:
-        _fail("sampler.max_new_tokens", f"{c.sampler.max_new_tokens} exceeds rl.max_response_len={rl.max_response_len}")
-    t = rl.triage
-    if t.g_hi <= t.g_lo:
-        _fail("rl.triage.g_hi", f"must exceed g_lo ({t.g_hi} <= {t.g_lo})")
-    if t.f_hi <= t.f_lo:
-        _fail("rl.triage.f_hi", f"must exceed f_lo ({t.f_hi} <= {t.f_lo})")
-    if not 0 < t.w_min <= 1:
-        _fail("rl.triage.w_min", f"must be in (0, 1], got {t.w_min}")
-    if t.segment_len < 1:
-        _fail("rl.triage.segment_len", f"must be >= 1, got {t.segment_len}")
+    length = c.sampler.max_new_tokens
+    if rl.overlong_buffer < 0 or rl.overlong_buffer >= length:
+        _fail("rl.overlong_buffer", f"{rl.overlong_buffer} must be in [0, sampler.max_new_tokens={length}) "
+              f"(the response length L of the overlong penalty)")
+    # Every correction's sub-dict must build its config dataclass (the active one and TRIAGE, which also
+    # segments the diagnostics, matter; the others are checked so a typo never waits for a later run).
+    from triage_jax.rl.corrections import make_config
+
+    for name in CORRECTIONS:
+        if name in rl:
+            try:
+                make_config(name, rl[name].to_dict())
+            except (ValueError, TypeError) as e:
+                # Name the first setting the dataclass's message mentions (its messages name their fields).
+                named = [k for k in rl[name] if re.search(rf"\b{re.escape(k)}\b", str(e))]
+                _fail(f"rl.{name}" + (f".{named[0]}" if named else ""), str(e))
     if not 0 < c.sampler.temperature:
         _fail("sampler.temperature", f"must be > 0, got {c.sampler.temperature}")
     if not 0 < c.sampler.top_p <= 1:
         _fail("sampler.top_p", f"must be in (0, 1], got {c.sampler.top_p}")
-    if c.optim.lr <= 0:
-        _fail("optim.lr", f"must be > 0, got {c.optim.lr}")
+    if not (math.isfinite(c.optim.lr) and c.optim.lr > 0):
+        _fail("optim.lr", f"must be a finite number > 0, got {c.optim.lr}")
+    for key in ("train.ckpt_every", "train.keep_checkpoints", "train.max_nonfinite"):
+        sect, name = key.split(".")
+        if int(c[sect][name]) < 1:
+            _fail(key, f"must be >= 1, got {c[sect][name]}")
+    if c.warmup.enabled:
+        for key in ("warmup.steps", "warmup.batch_size"):
+            if int(c.warmup[key.split(".")[1]]) < 1:
+                _fail(key, f"must be >= 1 while warmup.enabled (set warmup.enabled=False to skip the warm-up), "
+                      f"got {c.warmup[key.split('.')[1]]}")
+    if rl.max_resample < 0:
+        _fail("rl.max_resample", f"must be >= 0, got {rl.max_resample}")
 
     if check_paths:
         if c.model.preset.startswith("qwen3") and not c.model.hf_path:

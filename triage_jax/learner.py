@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -24,6 +23,7 @@ from triage_jax.logprobs import response_logprobs
 from triage_jax.quant import PrecisionPolicy
 from triage_jax.rl import corrections as corr
 from triage_jax.rl import diagnostics, grpo
+from triage_jax.rl.delta import token_delta
 from triage_jax.rl.triage import TriageConfig, repair_loss_sum
 
 F32 = jnp.float32
@@ -60,15 +60,27 @@ def batch_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temper
                              return_aux=True)
 
 
-def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    """AdamW hyperparameters (`build.optim` reads them from `config.optim`)."""
+
+    lr: float = 1e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0
+
+
+def make_optimizer(o: OptimSettings) -> optax.GradientTransformation:
     """AdamW with linear warm-up and global-norm clipping; non-finite updates are skipped (and counted)."""
     # Linear warm-up lr*(k+1)/W over the first W updates (never a zero-lr first update), then constant.
-    w = max(int(c.warmup_steps), 1)
-    sched = optax.join_schedules([optax.linear_schedule(c.lr / w, c.lr, w - 1) if w > 1 else
-                                  optax.constant_schedule(c.lr), optax.constant_schedule(c.lr)], [w])
+    w = max(int(o.warmup_steps), 1)
+    sched = optax.join_schedules([optax.linear_schedule(o.lr / w, o.lr, w - 1) if w > 1 else
+                                  optax.constant_schedule(o.lr), optax.constant_schedule(o.lr)], [w])
     tx = optax.chain(
-        optax.clip_by_global_norm(c.grad_clip) if c.grad_clip > 0 else optax.identity(),
-        optax.adamw(sched, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
+        optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity(),
+        optax.adamw(sched, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
     )
     # The trainer stops the run after train.max_nonfinite consecutive skips; never apply a NaN update.
     return optax.apply_if_finite(tx, max_consecutive_errors=1 << 30)
@@ -77,6 +89,21 @@ def make_optimizer(c: ml_collections.ConfigDict, total_steps: int) -> optax.Grad
 def nonfinite_count(opt_state) -> jax.Array:
     """Consecutive skipped (non-finite) updates, from optax.apply_if_finite's state."""
     return opt_state.notfinite_count
+
+
+def update_count(opt_state) -> jax.Array:
+    """Optimizer steps applied so far (AdamW's step counter): the update index k of the lr warm-up and of the
+    TRIAGE repair warm-up. Skipped updates (empty or non-finite) do not count."""
+    (_, count), *_ = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return count
+
+
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """A mismatch correction: its `rl.corrections.CORRECTIONS` key and its config dataclass."""
+
+    name: str
+    cfg: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,38 +120,11 @@ class LossSettings:
     triage: TriageConfig | None  # repair term on when the correction is TRIAGE
     aux_coef: float
 
-    @classmethod
-    def from_config(cls, c: ml_collections.ConfigDict, model_cfg) -> "LossSettings":
-        return cls(
-            eps_low=c.rl.eps_low, eps_high=c.rl.eps_high, dual_clip=c.rl.dual_clip or None, agg=c.rl.agg,
-            kl_coef=c.rl.kl_coef, temperature=c.sampler.temperature,
-            vocab_chunk=c.learner.vocab_chunk or model_cfg.vocab_size,
-            triage=triage_config(c) if c.rl.correction == "triage" else None,
-            aux_coef=model_cfg.router_aux_loss_coef if model_cfg.num_experts else 0.0,
-        )
-
-
-def triage_config(c: ml_collections.ConfigDict) -> TriageConfig:
-    return TriageConfig.from_dict(c.rl.triage.to_dict())
-
-
-def correction_config(c: ml_collections.ConfigDict):
-    """The correction's config dataclass from the flat rl.* keys."""
-    name = c.rl.correction
-    if name == "triage":
-        return triage_config(c)
-    overrides = {
-        "token_tis": {"C": c.rl.tis_c}, "seq_tis": {"C": c.rl.tis_c},
-        "seq_mis": {"lo": c.rl.mis_lo, "C": c.rl.mis_hi}, "icepop": {"a": c.rl.icepop_lo, "b": c.rl.icepop_hi},
-        "geo_rs": {"lo": c.rl.geo_lo, "hi": c.rl.geo_hi}, "none": {},
-    }[name]
-    return corr.make_config(name, overrides)
-
 
 def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, tokens, s: LossSettings, policy):
     """Loss contribution of one micro-batch: its sums over the mini-batch denominators (exact accumulation)."""
     logp, _, aux = batch_logprobs(model, mb.input_ids, mb.attn_mask, mb.resp_len, policy=policy,
-                                     temperature=s.temperature, vocab_chunk=s.vocab_chunk)
+                                  temperature=s.temperature, vocab_chunk=s.vocab_chunk)
     pl_sum, _, m = grpo.policy_loss(logp, mb.old_logp, mb.adv, mb.loss_mask, eps_low=s.eps_low,
                                     eps_high=s.eps_high, dual_clip=s.dual_clip, weights=mb.weights, agg=s.agg,
                                     max_len=mb.resp_len)
@@ -141,27 +141,36 @@ def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, tokens, s: LossS
         loss = loss + terms["repair_loss"]
     if s.aux_coef:
         # A per-micro-batch mean: weight it by this micro-batch's share of the mini-batch tokens.
-        terms["moe_aux_loss"] = s.aux_coef * aux * jnp.sum(mb.loss_mask) / tokens
+        # (A micro-batch without a token adds exactly 0, whatever its router statistics over padding are.)
+        mb_tokens = jnp.sum(mb.loss_mask)
+        terms["moe_aux_loss"] = jnp.where(mb_tokens > 0, s.aux_coef * aux * mb_tokens / tokens, 0.0)
         loss = loss + terms["moe_aux_loss"]
     return loss, (terms, m)
 
 
 class Learner:
-    """Holds the sharded parameters and optimizer state; compiles recompute and update once per shape."""
+    """Holds the sharded parameters and optimizer state; compiles recompute, corrections and update once per shape.
 
-    def __init__(self, model: nnx.Module, c: ml_collections.ConfigDict, *, mesh=None, total_steps: int = 1,
+    Takes typed settings only (`triage_jax.build.learner` makes them from a config): the loss settings, the
+    correction, TRIAGE's thresholds for the diagnostics, the optimizer, the precision policy and the mesh.
+    """
+
+    def __init__(self, model: nnx.Module, *, loss: LossSettings, correction: Correction, triage: TriageConfig,
+                 optim: OptimSettings, policy: PrecisionPolicy, micro_batch: int, mesh, rules=shd.DEFAULT_RULES,
                  abstract: bool = False):
         """abstract=True (with a model from `nnx.eval_shape`): params and optimizer state are sharded
-        ShapeDtypeStructs, nothing is allocated; use `lower_update` / `lower_logprobs` (the memory dry-run)."""
-        self.cfg = c
-        self.mesh = mesh if mesh is not None else shd.make_mesh(c.mesh.to_dict())
-        self.rules = shd.DEFAULT_RULES
-        self.policy = PrecisionPolicy.from_spec(c.learner.precision, backend=c.learner.backend)
-        self.settings = LossSettings.from_config(c, model.cfg)
-        self.micro = c.rl.micro_batch
+        ShapeDtypeStructs, nothing is allocated; use `lower_update` (the memory dry-run)."""
+        self.mesh = mesh
+        self.rules = rules
+        self.policy = policy
+        self.settings = loss
+        self.correction = correction
+        self.triage = triage
+        self.micro = int(micro_batch)
+        self.version = 0  # update() calls on these parameters (the trainer's "still at the step boundary" test)
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.param_shardings = shd.state_shardings(params, self.mesh, self.rules)
-        self.tx = make_optimizer(c.optim, total_steps)
+        self.tx = make_optimizer(optim)
         # Moments shard like their parameters (jit alone would replicate tx.init's zeros on every device).
         self.opt_shardings = shd.optimizer_shardings(jax.eval_shape(self.tx.init, params), params,
                                                      self.param_shardings, self.mesh)
@@ -174,7 +183,9 @@ class Learner:
             self.params = jax.device_put(params, self.param_shardings)
             self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
+        self._loss_and_grads = jax.jit(self._loss_and_grads_impl)
         self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(3,))
+        self._prepare = jax.jit(functools.partial(prepare, correction=correction, triage=triage))
 
     # ------------------------------------------------------------------------------------------ sharding
     def shard_batch(self, tree):
@@ -183,6 +194,11 @@ class Learner:
 
     def model(self, params=None) -> nnx.Module:
         return nnx.merge(self.graphdef, self.params if params is None else params)
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer steps applied so far (see `update_count`)."""
+        return int(update_count(self.opt_state))
 
     # ------------------------------------------------------------------------------------------ recompute
     def _logprobs_impl(self, params, input_ids, attn_mask, resp_len: int):
@@ -193,8 +209,8 @@ class Learner:
         def one(args):
             ids, am = args
             logp, ent, _ = batch_logprobs(model, ids, am, resp_len, policy=self.policy,
-                                             temperature=self.settings.temperature,
-                                             vocab_chunk=self.settings.vocab_chunk)
+                                          temperature=self.settings.temperature,
+                                          vocab_chunk=self.settings.vocab_chunk)
             return logp, ent
 
         ids = input_ids.reshape(k, n // k, -1)
@@ -210,8 +226,17 @@ class Learner:
         with shd.activate(self.mesh, self.rules):  # activation sharding constraints, MoE expert parallelism
             return self._logprobs(self.params if params is None else params, ids, am, resp_len)
 
+    # ------------------------------------------------------------------------------------------ corrections
+    def prepare(self, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp
+                ) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+        """The learner's correction and the mismatch diagnostics, in one compiled call (see `prepare`)."""
+        return self._prepare(jnp.asarray(input_ids), jnp.asarray(attn_mask), jnp.asarray(resp_mask),
+                             jnp.asarray(adv), jnp.asarray(sampler_logp), jnp.asarray(old_logp),
+                             jnp.asarray(ref_logp))
+
     # ------------------------------------------------------------------------------------------ update
-    def _update_impl(self, params, opt_state, mb_all: RolloutBatch, step):
+    def _loss_and_grads_impl(self, params, mb_all: RolloutBatch, step):
+        """(loss, terms, metric sums, grads) of a mini-batch, accumulated exactly over its micro-batches."""
         s = self.settings
         n = mb_all.num
         k = n // self.micro
@@ -219,7 +244,7 @@ class Learner:
         _, denom = grpo.aggregate(jnp.zeros_like(mb_all.loss_mask), mb_all.loss_mask, s.agg,
                                   max_len=mb_all.resp_len)
         denom = jnp.maximum(denom, 1.0)
-        # The repair term averages over positive-advantage responses holding a real token (rl_math.md, eq. 5).
+        # The repair term averages over positive-advantage responses holding a real token (docs/rl_math.md).
         rep_count = jnp.sum(((mb_all.adv > 0) & (jnp.sum(mb_all.resp_mask, axis=1) > 0)).astype(F32))
         batch_spec = shd.logical_to_mesh(("batch",), self.rules, self.mesh)
         micro = jax.tree.map(
@@ -234,38 +259,51 @@ class Learner:
         def grad_of(mb):
             def f(p):
                 model = nnx.merge(self.graphdef, p)
-                loss, (terms, metrics) = micro_loss(model, mb, step, denom, rep_count, total_tokens, s,
-                                                    self.policy)
-                return loss, (terms, metrics)
+                return micro_loss(model, mb, step, denom, rep_count, total_tokens, s, self.policy)
 
             return jax.value_and_grad(f, has_aux=True)(params)
 
         def body(acc, mb):
-            (loss, (terms, metrics)), g = grad_of(mb)
-            # Micro-batch token means, weighted by token share: their sum is the mini-batch token mean.
-            share = jnp.sum(mb.loss_mask) / total_tokens
-            metrics = {kk: v * share for kk, v in metrics.items()}
-            acc = jax.tree.map(jnp.add, acc, (loss, terms, metrics, g))
-            return acc, None
+            (loss, (terms, metric_sums)), g = grad_of(mb)
+            return jax.tree.map(jnp.add, acc, (loss, terms, metric_sums, g)), None
 
-        zero_g = jax.tree.map(jnp.zeros_like, params)
-        (loss0, (terms0, metrics0)) = jax.eval_shape(lambda: grad_of(jax.tree.map(lambda x: x[0], micro))[0])
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (loss0, terms0, metrics0))
-        (loss, terms, metrics, grads), _ = jax.lax.scan(body, (*zeros, zero_g), micro)
+        shapes = jax.eval_shape(lambda: grad_of(jax.tree.map(lambda x: x[0], micro)))
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (shapes[0][0], *shapes[0][1], shapes[1]))
+        return jax.lax.scan(body, zeros, micro)[0]
+
+    def loss_and_grads(self, mb: RolloutBatch):
+        """(loss, loss terms, metric means, gradient) of a mini-batch at the current parameters and update count:
+        exactly what `update` steps on (for tests and gradient analysis)."""
+        mb = self.shard_batch(mb)
+        with shd.activate(self.mesh, self.rules):
+            loss, terms, metric_sums, grads = self._loss_and_grads(self.params, mb, update_count(self.opt_state))
+        return loss, terms, grpo.metric_means(metric_sums), grads
+
+    def _update_impl(self, params, opt_state, mb_all: RolloutBatch):
+        # The update index k (TRIAGE's repair warm-up) is the optimizer's own count of applied steps.
+        loss, terms, metric_sums, grads = self._loss_and_grads_impl(params, mb_all, update_count(opt_state))
         gnorm = optax.global_norm(grads)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        out = {"loss": loss, "grad_norm": gnorm, **terms, **metrics,
-               "skipped_update": (~opt_state.last_finite).astype(F32)}
+        updates, new_opt_state = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A mini-batch without a real token (fill rows, or every response rejected by the correction) takes no
+        # step: AdamW's momentum and weight decay would still move the weights, and the update count would advance.
+        has_tokens = jnp.sum(mb_all.loss_mask) > 0
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(has_tokens, new, old),
+                                         (new_params, new_opt_state), (params, opt_state))
+        out = {"loss": loss, "grad_norm": gnorm, **terms, **grpo.metric_means(metric_sums),
+               "skipped_update": (has_tokens & ~new_opt_state.last_finite).astype(F32),
+               "empty_minibatch": (~has_tokens).astype(F32)}
         return params, opt_state, out
 
-    def update(self, mb: RolloutBatch, step: int) -> dict[str, jax.Array]:
-        """One optimizer step on a mini-batch (gradient accumulation over micro-batches inside)."""
+    def update(self, mb: RolloutBatch) -> dict[str, jax.Array]:
+        """One optimizer step on a mini-batch (gradient accumulation over micro-batches inside); a mini-batch
+        without a real token leaves parameters, optimizer state and the update count untouched."""
         if mb.num % self.micro:
             raise ValueError(f"mini-batch of {mb.num} responses is not a multiple of rl.micro_batch={self.micro}")
         mb = self.shard_batch(mb)
         with shd.activate(self.mesh, self.rules):
-            self.params, self.opt_state, out = self._update(self.params, self.opt_state, mb, jnp.int32(step))
+            self.params, self.opt_state, out = self._update(self.params, self.opt_state, mb)
+        self.version += 1
         return out
 
     # ------------------------------------------------------------------------------------------ dry-run
@@ -281,29 +319,24 @@ class Learner:
     def lower_update(self, n: int, prompt_len: int, resp_len: int):
         """The update of an n-response mini-batch lowered for the mesh (jax.stages.Lowered; compile() it)."""
         with shd.activate(self.mesh, self.rules):
-            return self._update.lower(self.params, self.opt_state, self.abstract_batch(n, prompt_len, resp_len),
-                                      jax.ShapeDtypeStruct((), jnp.int32))
+            return self._update.lower(self.params, self.opt_state, self.abstract_batch(n, prompt_len, resp_len))
 
 
-def prepare_batch(c: ml_collections.ConfigDict, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp,
-                  ref_logp) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
-    """Apply the configured correction and compute the mismatch diagnostics (one compiled call).
+def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, *, correction: Correction,
+            triage: TriageConfig) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+    """Apply `correction` and compute the mismatch diagnostics (segmented as `triage` says).
 
     Returns the batch ready for `Learner.update`, the metrics and delta = old_logp - sampler_logp.
     """
-    return _prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp,
-                    c.rl.correction, correction_config(c), triage_config(c))
-
-
-@functools.partial(jax.jit, static_argnums=(7, 8, 9))
-def _prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, name, ccfg, tcfg):
-    delta = jnp.where(resp_mask > 0, old_logp - sampler_logp, 0.0)
-    out = corr.apply_correction(name, adv=adv, delta=delta, mask=resp_mask, cfg=ccfg)
+    delta = token_delta(old_logp, sampler_logp, resp_mask)
+    out = corr.apply_correction(correction.name, adv=adv, delta=delta, mask=resp_mask, cfg=correction.cfg)
     batch = RolloutBatch(input_ids=input_ids, attn_mask=attn_mask, resp_mask=resp_mask, adv=adv,
                          sampler_logp=sampler_logp, old_logp=old_logp, ref_logp=ref_logp, weights=out.weights,
                          loss_mask=out.mask.astype(F32))
     # b_amp / b_con use the applied weights; for TRIAGE they are its alpha, which the fast path recomputes.
-    diag = diagnostics.mismatch_metrics(adv, delta, resp_mask, tcfg, weights=None if name == "triage" else out.weights)
+    tcfg = correction.cfg if correction.name == "triage" else triage
+    diag = diagnostics.mismatch_metrics(adv, delta, resp_mask, tcfg,
+                                        weights=None if correction.name == "triage" else out.weights)
     metrics = {**{f"mismatch/{k}": v for k, v in diag.items()},
                **{f"correction/{k}": v for k, v in out.metrics.items()}}
     return batch, metrics, delta

@@ -66,13 +66,15 @@ def main(argv) -> None:
 
 def check_override_keys(argv: list[str]) -> None:
     """Name an unknown `--config.a.b=value` key clearly (config_flags would fail with a bare AttributeError)."""
-    from triage_jax.config import base_config
+    from triage_jax.config import MOVED_KEYS, base_config
 
     base = base_config()
     for arg in argv:
         if not arg.startswith("--config."):
             continue
         key = arg[len("--config."):].split("=", 1)[0]
+        if key in MOVED_KEYS:
+            sys.exit(f"error: config key {key!r} (from {arg!r}) is gone: set config.{MOVED_KEYS[key]} instead")
         node = base
         for i, part in enumerate(key.split(".")):
             if not hasattr(node, "keys") or part not in node:

@@ -20,17 +20,15 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from triage_jax import build, sampler
 from triage_jax import checkpoint as ckpt_lib
-from triage_jax import models, sampler
-from triage_jax.config import tokenizer_path, validate
+from triage_jax import rollout as rollout_lib
+from triage_jax.config import validate
 from triage_jax.data import pipeline
-from triage_jax.data.rewards import score_batch
-from triage_jax.data.sources import load_dapo_math
 from triage_jax.data.synthetic import SyntheticMathSource
-from triage_jax.data.tokenizers import load_tokenizer
-from triage_jax.learner import Learner, nonfinite_count, prepare_batch
-from triage_jax.rl import diagnostics, grpo
-from triage_jax.warmup import warm_start
+from triage_jax.learner import nonfinite_count
+from triage_jax.rl import diagnostics
+from triage_jax.rl.delta import token_delta
 
 log = logging.getLogger(__name__)
 
@@ -39,39 +37,12 @@ class NonFiniteError(FloatingPointError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
-@dataclasses.dataclass
-class Rollout:
-    """One filled rollout batch on the host (N = num_prompts * group_size rows)."""
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one GRPO step reports: its scalar metrics and the real tokens' delta (for the histogram)."""
 
-    input_ids: np.ndarray  # [N, P + R]
-    attn_mask: np.ndarray  # [N, P + R]
-    resp_mask: np.ndarray  # [N, R]
-    sampler_logp: np.ndarray  # [N, R]
-    rewards: np.ndarray  # [N] (zero for fill rows)
-    adv: np.ndarray  # [N]
-    stats: dict[str, float]
-
-
-def build_model_config(c: ml_collections.ConfigDict, vocab_size: int):
-    """Model hyperparameters: the HF checkpoint's config, else the preset (tokenizer-sized vocab if asked)."""
-    overrides = {"dtype": c.model.dtype, "param_dtype": c.model.param_dtype, "remat": c.model.remat,
-                 "attn_chunk": c.model.attn_chunk}
-    if c.model.hf_path:
-        return models.ModelConfig.from_hf_config(os.path.join(c.model.hf_path, "config.json")).replace(**overrides)
-    if c.model.vocab_size:
-        overrides["vocab_size"] = c.model.vocab_size
-    mc = models.get_model_config(c.model.preset, **overrides)
-    if mc.vocab_size < vocab_size:
-        raise ValueError(f"config.model.vocab_size: the model's vocabulary ({mc.vocab_size}) is smaller than the "
-                         f"tokenizer's ({vocab_size})")
-    return mc
-
-
-def build_source(c: ml_collections.ConfigDict):
-    if c.data.source == "synthetic":
-        return SyntheticMathSource(c.data.num_examples, seed=c.seed, levels=tuple(c.data.levels),
-                                   template=c.data.template)
-    return load_dapo_math(c.data.path, max_malformed_fraction=c.data.max_bad_fraction).examples
+    metrics: dict[str, float]
+    delta: np.ndarray
 
 
 class Trainer:
@@ -85,40 +56,30 @@ class Trainer:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.json"), "w") as f:
             f.write(c.to_json(indent=2))  # what this run was, for notebooks and tools/eval
-        self.tok = load_tokenizer(tokenizer_path(c))
-        self.source = build_source(c)
-        self.model_cfg = build_model_config(c, self.tok.vocab_size)
+        self.tok = build.tokenizer(c)
+        self.source = build.source(c)
+        self.model_cfg = build.model_config(c, self.tok.vocab_size)
         self.P, self.R = c.sampler.max_prompt_len, c.sampler.max_new_tokens
         self.G = c.rl.group_size
         self.N = c.rl.num_prompts * self.G
         self._check_prompts()
 
-        model = self._initial_model()
+        model = build.initial_model(c, self.model_cfg, self.tok, self.source, progress=self.progress)
         self.n_mini = self.N // c.rl.mini_batch
-        self.learner = Learner(model, c, total_steps=c.train.steps * self.n_mini)
+        self.learner = build.learner(c, model)
         self.ref_params = (jax.tree.map(jnp.copy, self.learner.params) if c.rl.kl_coef else None)
-        self.sampler_policy = sampler.sampler_policy(c.sampler.precision, c.sampler.kv_cache)
-        self.scfg = sampler.SamplingConfig(temperature=c.sampler.temperature, top_p=c.sampler.top_p,
-                                           top_k=c.sampler.top_k, max_new_tokens=self.R,
-                                           stop_ids=tuple(self.tok.eos_ids))
+        self.sampler_policy = build.sampler_policy(c)
+        self.scfg = build.sampling(c, self.tok)
         self.loader = pipeline.make_prompt_loader(self.source, batch_size=c.rl.num_prompts, seed=c.seed,
                                                   shard_index=jax.process_index(),
                                                   shard_count=jax.process_count())
-        self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.run_dir, "checkpoints"), keep=c.train.keep_checkpoints)
+        self.ckpt = build.checkpointer(c)
         self.step = 0
         self.history: list[dict[str, float]] = []
         self._stop_signal = None
         self._sync()
 
     # ---------------------------------------------------------------------------------------------- setup
-    def _initial_model(self) -> nnx.Module:
-        c = self.cfg
-        if c.model.hf_path:
-            return models.from_pretrained(c.model.hf_path, dtype=c.model.dtype)
-        if c.warmup.enabled and c.data.source == "synthetic":
-            return warm_start(c, self.model_cfg, self.tok, self.source, progress=self.progress)
-        return models.Qwen3(self.model_cfg, rngs=nnx.Rngs(c.seed))
-
     def _check_prompts(self):
         """Fail before any compilation if a synthetic prompt cannot fit sampler.max_prompt_len."""
         if isinstance(self.source, SyntheticMathSource):
@@ -134,89 +95,34 @@ class Trainer:
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------------------- rollout
-    def _sample_groups(self, examples, key) -> dict[str, np.ndarray]:
-        prompts = [self.tok.encode_prompt(ex.prompt) for ex in examples for _ in range(self.G)]
-        for p in prompts:
-            if len(p) > self.P:
-                raise ValueError(f"a {len(p)}-token prompt exceeds config.sampler.max_prompt_len={self.P}")
-        out = sampler.generate(self.sampler_model, prompts, self.scfg, policy=self.sampler_policy, key=key,
-                               pad_id=self.tok.pad_id, max_cache_len=self.P + self.R)
-        tokens = np.asarray(out.tokens)[:, : self.R]
-        mask = np.asarray(out.mask)[:, : self.R]
-        logp = np.asarray(out.logprobs)[:, : self.R]
-        lengths = mask.sum(-1)
-        t0 = time.perf_counter()
-        texts = [self.tok.decode(tokens[i, : lengths[i]]) for i in range(len(prompts))]
-        truths = [ex.ground_truth for ex in examples for _ in range(self.G)]
-        scored = score_batch(texts, truths, reward="dapo")
-        rewards = np.asarray(scored.rewards, np.float32)
-        if self.cfg.rl.overlong_buffer:
-            rewards = rewards + np.asarray(grpo.overlong_penalty(lengths, self.R, self.cfg.rl.overlong_buffer,
-                                                                 self.cfg.rl.overlong_factor))
-        reward_s = time.perf_counter() - t0
-        ids = np.full((len(prompts), self.P + self.R), self.tok.pad_id, np.int32)
-        attn = np.zeros(ids.shape, bool)
-        for i, p in enumerate(prompts):
-            ids[i, self.P - len(p): self.P] = p
-            attn[i, self.P - len(p): self.P] = True
-        ids[:, self.P:] = np.where(mask, tokens, self.tok.pad_id)
-        attn[:, self.P:] = mask
-        return {"ids": ids, "attn": attn, "mask": mask.astype(np.float32), "logp": np.where(mask, logp, 0.0),
-                "rewards": rewards, "correct": np.asarray(scored.accuracy, bool), "lengths": lengths,
-                "reward_s": reward_s}
-
-    def rollout(self, key) -> tuple[Rollout, float]:
-        """Fill a batch of num_prompts groups, drawing up to rl.max_resample extra prompt batches when dynamic
-        sampling drops flat groups; rows still missing are fill rows with an empty mask (they add nothing)."""
+    def rollout(self, key) -> tuple[rollout_lib.Rollout, dict[str, float], float]:
+        """A filled batch of num_prompts groups (dynamic sampling draws up to rl.max_resample extra prompt
+        batches), its fill rows spread over the mini-batches; returns (rollout, stats, scoring seconds)."""
         c = self.cfg
-        want = c.rl.num_prompts
-        kept: list[dict[str, np.ndarray]] = []
-        all_rewards, all_correct, all_lengths = [], [], []
         reward_s = 0.0
-        n_groups = n_kept = 0
-        for attempt in range(1 + (c.rl.max_resample if c.rl.dynamic_sampling else 0)):
-            examples = next(self.loader)
-            s = self._sample_groups(examples, jax.random.fold_in(key, attempt))
-            reward_s += s.pop("reward_s")
-            all_rewards.append(s["rewards"])
-            all_correct.append(s["correct"])
-            all_lengths.append(s["lengths"])
-            keep = (np.asarray(grpo.dynamic_sampling_keep(s["rewards"], self.G)) if c.rl.dynamic_sampling
-                    else np.ones(len(examples), bool))
-            n_groups += len(keep)
-            n_kept += int(keep.sum())
-            rows = np.repeat(keep, self.G)
-            kept.append({k: v[rows] for k, v in s.items()})
-            if sum(len(k["rewards"]) for k in kept) >= self.N:
-                break
-        cat = {k: np.concatenate([d[k] for d in kept])[: self.N] for k in kept[0]}
-        n_real = len(cat["rewards"])
-        fill = self.N - n_real
-        if fill:
-            pad = {k: np.zeros((fill,) + v.shape[1:], v.dtype) for k, v in cat.items()}
-            pad["ids"][:] = self.tok.pad_id
-            cat = {k: np.concatenate([cat[k], pad[k]]) for k in cat}
-        adv = np.array(grpo.group_advantages(cat["rewards"], self.G, std_normalize=c.rl.std_normalize))
-        adv[n_real:] = 0.0
-        rewards = np.concatenate(all_rewards)
-        lengths = np.concatenate(all_lengths)
-        stats = {
-            "reward/mean": float(rewards.mean()), "reward/accuracy": float(np.concatenate(all_correct).mean()),
-            "response/length_mean": float(lengths.mean()),
-            "response/truncated_frac": float((lengths >= self.R).mean()),
-            "dynamic_sampling/kept_groups_frac": n_kept / max(n_groups, 1),
-            "dynamic_sampling/batch_fill": n_real / self.N, "dynamic_sampling/rollouts": float(len(all_rewards)),
-        }
-        return Rollout(cat["ids"], cat["attn"], cat["mask"], cat["logp"].astype(np.float32), cat["rewards"], adv,
-                       stats), reward_s
+
+        def draw(attempt: int) -> rollout_lib.Rollout:
+            nonlocal reward_s
+            ro, secs = rollout_lib.sample_groups(
+                self.sampler_model, next(self.loader), tok=self.tok, sampling=self.scfg, policy=self.sampler_policy,
+                group_size=self.G, prompt_len=self.P, key=jax.random.fold_in(key, attempt),
+                overlong_buffer=c.rl.overlong_buffer, overlong_factor=c.rl.overlong_factor)
+            reward_s += secs
+            return ro
+
+        ro, stats = rollout_lib.collect(draw, num_prompts=c.rl.num_prompts, group_size=self.G,
+                                        dynamic_sampling=c.rl.dynamic_sampling, max_resample=c.rl.max_resample,
+                                        std_normalize=c.rl.std_normalize, prompt_len=self.P, resp_len=self.R,
+                                        pad_id=self.tok.pad_id)
+        return rollout_lib.spread_fill(ro, self.n_mini), stats, reward_s
 
     # ---------------------------------------------------------------------------------------------- one step
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> StepResult:
         c = self.cfg
         key = jax.random.fold_in(jax.random.key(c.seed), self.step)
         t_start = time.perf_counter()
         t0 = time.perf_counter()
-        ro, reward_s = self.rollout(key)
+        ro, stats, reward_s = self.rollout(key)
         rollout_s = time.perf_counter() - t0 - reward_s
 
         t0 = time.perf_counter()
@@ -225,44 +131,44 @@ class Trainer:
                     if self.ref_params is not None else jnp.zeros_like(old_logp))
         jax.block_until_ready((old_logp, ref_logp))
         t1 = time.perf_counter()
-        batch, metrics, delta = prepare_batch(
-            c, input_ids=jnp.asarray(ro.input_ids), attn_mask=jnp.asarray(ro.attn_mask),
-            resp_mask=jnp.asarray(ro.resp_mask), adv=jnp.asarray(ro.adv), sampler_logp=jnp.asarray(ro.sampler_logp),
-            old_logp=old_logp, ref_logp=ref_logp)
+        batch, metrics, delta = self.learner.prepare(
+            input_ids=ro.input_ids, attn_mask=ro.attn_mask, resp_mask=ro.resp_mask, adv=ro.adv,
+            sampler_logp=ro.sampler_logp, old_logp=old_logp, ref_logp=ref_logp)
         jax.block_until_ready((batch, metrics))
         correction_s = time.perf_counter() - t1
         upd = []
-        self._updating = True
         for j in range(self.n_mini):
             sl = slice(j * c.rl.mini_batch, (j + 1) * c.rl.mini_batch)
-            mb = jax.tree.map(lambda x: x[sl], batch)
-            upd.append(self.learner.update(mb, self.step * self.n_mini + j))
+            upd.append(self.learner.update(jax.tree.map(lambda x: x[sl], batch)))
         upd = jax.device_get(upd)
         energy = None
         if c.train.energy_every and self.step % c.train.energy_every == 0:
-            # rl_math.md delta_energy_realized: D after the update minus D before, same tokens, second forward.
+            # delta_energy_realized (docs/rl_math.md): D after the update minus D before, same tokens.
             new_logp, _ = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R)
-            delta_after = jnp.where(batch.resp_mask > 0, new_logp - batch.sampler_logp, 0.0)
+            delta_after = token_delta(new_logp, batch.sampler_logp, batch.resp_mask)
             energy = float(diagnostics.delta_energy_realized(delta, delta_after, batch.resp_mask))
         learner_s = time.perf_counter() - t0
 
         sync_s = self._sync()
-        self._updating = False
-        out = dict(ro.stats)
-        mask = np.asarray(ro.resp_mask)
+        out = dict(stats)
+        mask = ro.resp_mask
         out["entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
         out.update({k: float(v) for k, v in jax.device_get(metrics).items()})
         if energy is not None:
             out["mismatch/delta_energy_realized"] = energy
+        # Learner metrics: the mean over the mini-batches that took a step; NaN (logged as such) when none did.
+        stepped = [u for u in upd if not u["empty_minibatch"]]
         for k in upd[0]:
-            out[f"learner/{k}"] = float(np.mean([u[k] for u in upd]))
+            if k != "empty_minibatch":
+                out[f"learner/{k}"] = float(np.mean([u[k] for u in stepped])) if stepped else float("nan")
+        out["learner/empty_minibatches"] = float(len(upd) - len(stepped))
+        out["learner/updates"] = float(self.learner.num_updates)
         skipped = int(np.sum([u["skipped_update"] for u in upd]))
         total_s = time.perf_counter() - t_start
         out.update({"time/rollout": rollout_s, "time/reward": reward_s, "time/learner": learner_s,
                     "time/learner_corrections": correction_s,
                     "time/sync": sync_s, "time/orchestration": total_s - rollout_s - reward_s - learner_s - sync_s,
                     "time/step": total_s})
-        self._delta_for_hist = np.asarray(delta)[mask > 0]
         streak = int(nonfinite_count(self.learner.opt_state))
         if skipped:
             log.warning("step %d: %d update(s) skipped for a non-finite loss or gradient (streak %d)",
@@ -271,7 +177,7 @@ class Trainer:
             raise NonFiniteError(f"{streak} consecutive updates had a non-finite loss or gradient (step {self.step}; "
                                  f"limit config.train.max_nonfinite={c.train.max_nonfinite}); the last good "
                                  f"checkpoint is in {self.ckpt.directory}")
-        return out
+        return StepResult(out, np.asarray(delta)[mask > 0])
 
     # ---------------------------------------------------------------------------------------------- state
     def _state(self) -> dict[str, Any]:
@@ -317,20 +223,21 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=end, initial=self.step, desc="GRPO", dynamic_ncols=True)
-        self._updating = False
         try:
             while self.step < end:
                 data_state = self.loader.get_state()
+                version = self.learner.version
                 try:
-                    m = self.train_step()
+                    res = self.train_step()
                 except Exception:
-                    if not self._updating:  # parameters still at the step boundary: keep this point resumable
+                    if self.learner.version == version:  # no update yet: the step boundary is still resumable
                         self.save(data_state)
                     raise
+                m = dict(res.metrics)
                 m["step"] = self.step
                 self.history.append(m)
                 self.step += 1
-                self._log(writer, m)
+                self._log(writer, m, res.delta)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{m['reward/mean']:+.3f}", acc=f"{m['reward/accuracy']:.2f}",
@@ -351,14 +258,14 @@ class Trainer:
                 bar.close()
         return self.history
 
-    def _log(self, writer, m: dict[str, float]) -> None:
+    def _log(self, writer, m: dict[str, float], delta: np.ndarray) -> None:
         if writer is None:
             return
         for k, v in m.items():
-            if k != "step" and np.isfinite(v):
+            if k != "step":  # NaN included: an empty denominator is drawn as a gap, never hidden
                 writer.add_scalar(k, v, self.step)
-        if self._delta_for_hist.size:
-            writer.add_histogram("mismatch/delta", self._delta_for_hist, self.step)
+        if delta.size:
+            writer.add_histogram("mismatch/delta", delta, self.step)
         writer.flush()
 
     def summary(self) -> dict[str, Any]:
@@ -386,23 +293,3 @@ class Trainer:
                 json.dump(out, f, indent=2)
         return out
 
-
-def load_policy(c: ml_collections.ConfigDict, step: int | None = None):
-    """(model, tokenizer, step) of a run's checkpoint (newest or `step`), else of config.model.hf_path."""
-    from triage_jax.learner import make_optimizer
-
-    tok = load_tokenizer(tokenizer_path(c))
-    mc = build_model_config(c, tok.vocab_size)
-    ck = ckpt_lib.Checkpointer(os.path.join(os.path.abspath(c.run_dir), "checkpoints"))
-    if ck.all_steps():
-        abstract_model = nnx.eval_shape(lambda: models.Qwen3(mc, rngs=nnx.Rngs(0)))
-        graphdef, params = nnx.split(abstract_model, nnx.Param)
-        abstract = {"params": params, "opt_state": jax.eval_shape(make_optimizer(c.optim, 1).init, params)}
-        got = ck.restore(abstract, step)
-        if got is None:
-            raise FileNotFoundError(f"no usable checkpoint{'' if step is None else f' at step {step}'} under "
-                                    f"{ck.directory}")
-        return nnx.merge(graphdef, got[1]["params"]), tok, got[0]
-    if c.model.hf_path:
-        return models.from_pretrained(c.model.hf_path, dtype=c.model.dtype), tok, None
-    raise FileNotFoundError(f"no checkpoint under {ck.directory} and no config.model.hf_path to evaluate")

@@ -170,3 +170,13 @@ def synthetic_examples(num_examples: int, *, seed: int = 0, levels: Sequence[int
                        template: str = "dapo", style: str | None = None) -> list[MathExample]:
     """The first `num_examples` of a SyntheticMathSource, materialized."""
     return list(SyntheticMathSource(num_examples, seed=seed, levels=levels, template=template, style=style))
+
+
+HELD_OUT_SEED_OFFSET = 10_000  # the held-out stream of training seed s is seed s + 10_000 of the same generator
+
+
+def held_out_source(num_examples: int, *, seed: int, levels: Sequence[int] = LEVELS, template: str = "dapo",
+                    style: str | None = None) -> SyntheticMathSource:
+    """Problems that training with `seed` never sees: another seed's stream of the same generator and levels."""
+    return SyntheticMathSource(num_examples, seed=int(seed) + HELD_OUT_SEED_OFFSET, levels=levels,
+                               template=template, style=style)

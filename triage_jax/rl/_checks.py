@@ -66,6 +66,12 @@ def check_adv(adv: Any, shape_nt: tuple[int, int], name: str = "adv") -> jax.Arr
     return a
 
 
+def check_adv_any(adv: Any, shape_nt: tuple[int, int], name: str = "adv") -> jax.Array:
+    """Validated float32 advantages kept as given, [N] or [N,T] (response-level ones take cheaper paths)."""
+    check_adv(adv, shape_nt, name)
+    return jnp.asarray(adv, F32)
+
+
 def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     """num / den, NaN where den == 0 (an empty denominator is reported, never hidden as 0)."""
     return jnp.where(den != 0, num / jnp.where(den != 0, den, 1.0), jnp.nan)

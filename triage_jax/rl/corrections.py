@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from triage_jax.rl._checks import F32, check_float, check_mask, config_with, safe_div
-from triage_jax.rl.triage import TriageConfig, _check_adv_any, _gate
+from triage_jax.rl._checks import F32, check_adv_any, check_float, check_mask, config_with, safe_div
+from triage_jax.rl.triage import TriageConfig, gate
 
 SEQ_LOG_RATIO_CLIP = 20.0
 
@@ -109,6 +109,15 @@ def _seq_tis(a, d, m, cfg: SeqTISConfig):
 
 
 def _seq_mis(a, d, m, cfg: SeqMISConfig):
+    # Masked importance sampling (Liu et al.; verl's sequence-level MIS): an accepted response keeps its sequence
+    # IS weight rho_seq, a response with rho_seq outside [lo, C] is dropped whole.
+    rho_seq = jnp.exp(_seq_log_ratio(d, m))
+    keep = (rho_seq >= cfg.lo) & (rho_seq <= cfg.C)
+    return jnp.broadcast_to(rho_seq, d.shape), m * keep, jnp.zeros(d.shape, bool)
+
+
+def _seq_mis_reject(a, d, m, cfg: SeqMISConfig):
+    # Pure rejection: the same acceptance test as seq_mis, accepted responses keep weight 1.
     rho_seq = jnp.exp(_seq_log_ratio(d, m))
     keep = (rho_seq >= cfg.lo) & (rho_seq <= cfg.C)
     return jnp.ones_like(d), m * keep, jnp.zeros(d.shape, bool)
@@ -128,7 +137,7 @@ def _geo_rs(a, d, m, cfg: GeoRSConfig):
 
 
 def _triage(a, d, m, cfg: TriageConfig):
-    alpha, w_raw, _ = _gate(a, d, m, cfg)
+    alpha, w_raw, _ = gate(a, d, m, cfg)
     return alpha, m, w_raw < 1.0
 
 
@@ -143,6 +152,7 @@ CORRECTIONS: dict[str, Correction] = {
     "token_tis": Correction(TokenTISConfig, _token_tis),
     "seq_tis": Correction(SeqTISConfig, _seq_tis),
     "seq_mis": Correction(SeqMISConfig, _seq_mis),
+    "seq_mis_reject": Correction(SeqMISConfig, _seq_mis_reject),
     "icepop": Correction(IcePopConfig, _icepop),
     "geo_rs": Correction(GeoRSConfig, _geo_rs),
     "triage": Correction(TriageConfig, _triage),
@@ -171,7 +181,7 @@ def apply_correction(name: str, *, adv, delta, mask, cfg=None) -> CorrectionOut:
     delta_nt = jax.lax.stop_gradient(check_float("delta", delta, 2))
     mask_in = jnp.asarray(mask)
     m = check_mask("mask", mask_in, delta_nt.shape)
-    a = jax.lax.stop_gradient(_check_adv_any(adv, delta_nt.shape))
+    a = jax.lax.stop_gradient(check_adv_any(adv, delta_nt.shape))
     w, keep, clipped = corr.rule(a, delta_nt, m, cfg)
     kept = keep > 0
     w = jax.lax.stop_gradient(jnp.where(kept, w, 0.0).astype(F32))

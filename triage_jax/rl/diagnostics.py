@@ -28,9 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triage_jax.rl._checks import F32, check_float, check_mask, safe_div
-from triage_jax.rl.triage import (TriageConfig, _check_adv_any, _gate, _stats_from_sums, core_sums,
-                                  segment_counts, segment_weights)
+from triage_jax.rl._checks import F32, check_adv_any, check_float, check_mask, safe_div
+from triage_jax.rl.triage import TriageConfig, core_sums, gate, segment_counts, segment_weights, stats_from_sums
 
 SMALL_DELTA = 0.05
 TOP_SEGMENT_FRACTION = 0.05
@@ -150,7 +149,7 @@ def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, we
     """
     delta_nt = jax.lax.stop_gradient(check_float("delta", delta, 2))
     mask_nt = check_mask("mask", mask, delta_nt.shape)
-    adv = jax.lax.stop_gradient(_check_adv_any(adv, delta_nt.shape))
+    adv = jax.lax.stop_gradient(check_adv_any(adv, delta_nt.shape))
     if weights is not None:
         weights = jax.lax.stop_gradient(check_float("weights", weights, 2))
         if weights.shape != delta_nt.shape:
@@ -179,12 +178,12 @@ def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, we
         q_tot = _sums(sel + [jnp.where(s_, abs_a, 0.0) for s_ in sel] + [abs_a], axis=(1, 2))
         (amp_tail_s,) = segment_counts([real & (d < -cfg.tau_tail) & (a < 0)], L)
     if weights is not None or not row_adv:
-        w_nt = _gate(adv, delta_nt, mask_nt, cfg)[0] if weights is None else weights
+        w_nt = gate(adv, delta_nt, mask_nt, cfg)[0] if weights is None else weights
         dg = d * jnp.where(real, w_nt * (adv[:, None] if row_adv else adv), 0.0)
         b_tot = _sums([jnp.where(dg > 0, dg, 0.0), jnp.where(dg < 0, -dg, 0.0)], axis=(1, 2))
 
     # Segment level [N,S] -> per response [K,N].
-    stats = _stats_from_sums(n_s, sum_d_s, tail_s)  # as in _gate
+    stats = stats_from_sums(n_s, sum_d_s, tail_s)  # as in gate
     w_s = segment_weights(stats, cfg)
     valid = n_s > 0
     rows = _sums([n_s, tail_s, pos_s, neg_s, sum_d_s, sneg_s, w_s * sneg_s, neg_s * (1.0 - w_s), valid,

@@ -38,10 +38,17 @@ def group_advantages(rewards, group_size: int, *, std_normalize: bool = True, ep
 
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
-def dynamic_sampling_keep(rewards, group_size: int) -> jax.Array:
-    """bool[N // group_size]: True for groups whose rewards are not all equal (DAPO dynamic sampling)."""
-    r_gk = _check_rewards(rewards, group_size).reshape(-1, group_size)
-    return jnp.max(r_gk, axis=1) != jnp.min(r_gk, axis=1)
+def dynamic_sampling_keep(correct, group_size: int) -> jax.Array:
+    """bool[N // group_size]: DAPO dynamic sampling keeps a group when 0 < (number correct) < G.
+
+    `correct` [N] is each response's 0/1 correctness, not its shaped reward: with overlong shaping an all-wrong
+    group whose responses differ in length would otherwise survive (and its shorter wrong answers get A > 0).
+    """
+    correct = jnp.asarray(correct)
+    c_gk = _check_rewards(correct.astype(F32) if correct.dtype == jnp.bool_ else correct,
+                          group_size).reshape(-1, group_size)
+    n_correct = jnp.sum(c_gk > 0, axis=1)
+    return (n_correct > 0) & (n_correct < group_size)
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "buffer"))
@@ -145,8 +152,9 @@ def policy_loss(
     """Clipped surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`, r = exp(clip(logp - old_logp, +-20)).
 
     `dual_clip=c` caps the loss of A < 0 tokens at `c*|A|`. `weights` [N,T] (e.g. TRIAGE alpha, TIS weights)
-    multiply the per-token loss with no gradient. Returns (loss_sum, denom, metrics); metrics are masked token
-    means: clipfrac, clipfrac_low, clipfrac_high, dual_clipfrac, ratio_mean, ppo_kl (mean of old_logp - logp).
+    multiply the per-token loss with no gradient. Returns (loss_sum, denom, metric_sums): masked sums over real
+    tokens of clipfrac, clipfrac_low, clipfrac_high, dual_clipfrac, ratio_mean, ppo_kl (old_logp - logp), and
+    their count `tokens`; `metric_means` turns (accumulated) sums into token means.
     """
     logp = check_float("logp", logp, 2)
     old_logp = check_float("old_logp", old_logp, 2)
@@ -178,19 +186,28 @@ def policy_loss(
     loss_nt = jnp.where(mask_nt > 0, loss_nt, 0.0)
     loss_sum, denom = aggregate(loss_nt, mask_nt, agg, max_len=max_len)
 
-    def mean(x):
-        return safe_div(jnp.sum(jnp.where(mask_nt > 0, x.astype(F32), 0.0)), jnp.sum(mask_nt))
+    def total(x):
+        return jax.lax.stop_gradient(jnp.sum(jnp.where(mask_nt > 0, x.astype(F32), 0.0)))
 
     clipped = loss_clipped > loss_unclipped
+    # Masked sums over real tokens with their count: accumulated over micro-batches and divided once
+    # (`metric_means`), a micro-batch without a token adds zeros instead of turning the mean NaN.
     metrics = {
-        "clipfrac": jax.lax.stop_gradient(mean(clipped)),
-        "clipfrac_low": jax.lax.stop_gradient(mean(clipped & (ratio < 1.0 - eps_low))),
-        "clipfrac_high": jax.lax.stop_gradient(mean(clipped & (ratio > 1.0 + eps_high))),
-        "dual_clipfrac": jax.lax.stop_gradient(mean(dual_hit)),
-        "ratio_mean": jax.lax.stop_gradient(mean(ratio)),
-        "ppo_kl": jax.lax.stop_gradient(mean(-log_ratio)),
+        "clipfrac": total(clipped),
+        "clipfrac_low": total(clipped & (ratio < 1.0 - eps_low)),
+        "clipfrac_high": total(clipped & (ratio > 1.0 + eps_high)),
+        "dual_clipfrac": total(dual_hit),
+        "ratio_mean": total(ratio),
+        "ppo_kl": total(-log_ratio),
+        "tokens": jax.lax.stop_gradient(jnp.sum(mask_nt)),
     }
     return loss_sum, denom, metrics
+
+
+def metric_means(metric_sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Token means of `policy_loss`'s metric sums (summed over micro-batches first); NaN where no token counted."""
+    count = metric_sums["tokens"]
+    return {k: safe_div(v, count) for k, v in metric_sums.items() if k != "tokens"}
 
 
 # ---------------------------------------------------------------------------------------------- KL and entropy

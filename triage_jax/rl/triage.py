@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triage_jax.rl._checks import F32, check_adv, check_float, check_mask, check_same_shape, config_with
+from triage_jax.rl._checks import (F32, check_adv, check_adv_any, check_float, check_mask, check_same_shape,
+                                   config_with)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,8 @@ def segment_sums(x_nt: jax.Array, segment_len: int) -> jax.Array:
     return to_segments(x_nt, segment_len).sum(-1)
 
 
-def _stats_from_sums(n, sum_d, n_tail) -> SegmentStats:
+def stats_from_sums(n, sum_d, n_tail) -> SegmentStats:
+    """SegmentStats from per-segment token counts, delta sums and tail counts (dbar, f are 0 where n == 0)."""
     valid = n > 0
     n_f = n.astype(F32)
     safe_n = jnp.where(valid, n_f, 1.0)
@@ -138,7 +140,7 @@ def core_sums(delta_nt: jax.Array, mask_nt: jax.Array, cfg: TriageConfig) -> Cor
 
 def _stats(delta_nt: jax.Array, mask_nt: jax.Array, cfg: TriageConfig) -> SegmentStats:
     c = core_sums(delta_nt, mask_nt, cfg)
-    return _stats_from_sums(c.n, c.sum_d, c.tail)
+    return stats_from_sums(c.n, c.sum_d, c.tail)
 
 
 def _check_nt(delta, mask) -> tuple[jax.Array, jax.Array]:
@@ -160,11 +162,13 @@ def segment_weights(stats: SegmentStats, cfg: TriageConfig) -> jax.Array:
     return 1.0 - (1.0 - cfg.w_min) * risk
 
 
-def _gate(adv, delta_nt, mask_nt, cfg):
-    """(alpha [N,T], raw token weight w [N,T], stats) for adv [N] or [N,T]; alpha is 0 on padding."""
+def gate(adv, delta_nt, mask_nt, cfg: TriageConfig):
+    """(alpha [N,T], raw token weight w [N,T], stats) for validated float32 adv [N] or [N,T], delta [N,T] and a
+    0/1 mask; alpha is 0 on padding. The unjitted core that `gate_weights`, the corrections and the diagnostics
+    share."""
     real = mask_nt > 0
     c = core_sums(delta_nt, mask_nt, cfg)
-    stats = _stats_from_sums(c.n, c.sum_d, c.tail)
+    stats = stats_from_sums(c.n, c.sum_d, c.tail)
     w_ns = segment_weights(stats, cfg)
     if adv.ndim == 1:
         a_nt = adv[:, None]
@@ -181,19 +185,13 @@ def _gate(adv, delta_nt, mask_nt, cfg):
     return alpha, w_nt, stats
 
 
-def _check_adv_any(adv, shape_nt) -> jax.Array:
-    """Validated float32 adv, kept as [N] or [N,T] (response-level advantages take cheaper paths)."""
-    check_adv(adv, shape_nt)
-    return jnp.asarray(adv, F32)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def gate_weights(adv, delta, mask, cfg: TriageConfig = TriageConfig()) -> jax.Array:
     """alpha [N,T] (no gradient): segment weight on A<0 & delta<0 tokens, 1 elsewhere, renormalized per response
     so that sum_t m*alpha = sum_t m. Zero on padding."""
     delta_nt, mask_nt = _check_nt(delta, mask)
-    a = jax.lax.stop_gradient(_check_adv_any(adv, delta_nt.shape))
-    alpha, _, _ = _gate(a, jax.lax.stop_gradient(delta_nt), mask_nt, cfg)
+    a = jax.lax.stop_gradient(check_adv_any(adv, delta_nt.shape))
+    alpha, _, _ = gate(a, jax.lax.stop_gradient(delta_nt), mask_nt, cfg)
     return jax.lax.stop_gradient(alpha)
 
 

@@ -1,0 +1,150 @@
+"""Config -> components: the one place that reads an `ml_collections` config and builds what the run uses.
+
+The trainer, the tools, the experiments and the notebooks all build through here, so a config key means the same
+thing everywhere and the library modules (learner, sampler, rl/) only ever see typed settings.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+from flax import nnx
+
+from triage_jax import checkpoint as ckpt_lib
+from triage_jax import models
+from triage_jax.config import tokenizer_path
+from triage_jax.data.sources import load_dapo_math
+from triage_jax.data.synthetic import SyntheticMathSource, held_out_source
+from triage_jax.data.tokenizers import load_tokenizer
+from triage_jax.learner import Correction, LossSettings, OptimSettings
+from triage_jax.quant import PrecisionPolicy
+from triage_jax.rl import corrections as corr
+from triage_jax.rl.triage import TriageConfig
+from triage_jax.sampler import SamplingConfig, sampler_policy as _sampler_policy
+
+
+def tokenizer(c: ml_collections.ConfigDict):
+    """The run's tokenizer: characters, a tokenizer.json, or the one beside the HF checkpoint."""
+    return load_tokenizer(tokenizer_path(c))
+
+
+def source(c: ml_collections.ConfigDict):
+    """The training prompts: the synthetic task (seeded by config.seed) or the DAPO-Math file."""
+    if c.data.source == "synthetic":
+        return SyntheticMathSource(c.data.num_examples, seed=c.seed, levels=tuple(c.data.levels),
+                                   template=c.data.template)
+    return load_dapo_math(c.data.path, max_malformed_fraction=c.data.max_bad_fraction).examples
+
+
+def held_out(c: ml_collections.ConfigDict, num_examples: int) -> SyntheticMathSource:
+    """Synthetic problems training never sees (same levels and template as the run's source)."""
+    return held_out_source(num_examples, seed=c.seed, levels=tuple(c.data.levels), template=c.data.template)
+
+
+def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> models.ModelConfig:
+    """Model hyperparameters: the HF checkpoint's config, else the preset (tokenizer-sized vocab if asked)."""
+    overrides = {"dtype": c.model.dtype, "param_dtype": c.model.param_dtype, "remat": c.model.remat,
+                 "attn_chunk": c.model.attn_chunk}
+    if c.model.hf_path:
+        return models.ModelConfig.from_hf_config(os.path.join(c.model.hf_path, "config.json")).replace(**overrides)
+    if c.model.vocab_size:
+        overrides["vocab_size"] = c.model.vocab_size
+    mc = models.get_model_config(c.model.preset, **overrides)
+    if mc.vocab_size < vocab_size:
+        raise ValueError(f"config.model.vocab_size: the model's vocabulary ({mc.vocab_size}) is smaller than the "
+                         f"tokenizer's ({vocab_size})")
+    return mc
+
+
+def initial_model(c: ml_collections.ConfigDict, model_cfg, tok, src, *, progress: bool = False) -> nnx.Module:
+    """The policy RL starts from: the HF checkpoint, the cached supervised warm-up, or a seeded random init."""
+    from triage_jax.warmup import warm_start
+
+    if c.model.hf_path:
+        return models.from_pretrained(c.model.hf_path, dtype=c.model.dtype)
+    if c.warmup.enabled and c.data.source == "synthetic":
+        return warm_start(c, model_cfg, tok, src, progress=progress)
+    return models.Qwen3(model_cfg, rngs=nnx.Rngs(c.seed))
+
+
+def learner_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
+    return PrecisionPolicy.from_spec(c.learner.precision, backend=c.learner.backend)
+
+
+def sampler_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
+    return _sampler_policy(c.sampler.precision, c.sampler.kv_cache)
+
+
+def sampling(c: ml_collections.ConfigDict, tok) -> SamplingConfig:
+    """How rollouts are drawn; `sampler.max_new_tokens` is the run's one response length."""
+    return SamplingConfig(temperature=c.sampler.temperature, top_p=c.sampler.top_p, top_k=c.sampler.top_k,
+                          max_new_tokens=c.sampler.max_new_tokens, stop_ids=tuple(tok.eos_ids))
+
+
+def triage(c: ml_collections.ConfigDict) -> TriageConfig:
+    """TRIAGE's thresholds (`rl.triage`): the correction's settings, and the diagnostics' segmenting."""
+    return TriageConfig.from_dict(c.rl.triage.to_dict())
+
+
+def correction(c: ml_collections.ConfigDict) -> Correction:
+    """The configured correction: its registry name and its settings from the sub-dict named like it."""
+    name = c.rl.correction
+    settings = c.rl[name].to_dict() if name in c.rl else {}
+    return Correction(name, corr.make_config(name, settings))
+
+
+def loss(c: ml_collections.ConfigDict, model_cfg) -> LossSettings:
+    """The learner's static loss settings (clip range, aggregation, KL, TRIAGE repair, MoE aux)."""
+    return LossSettings(
+        eps_low=c.rl.eps_low, eps_high=c.rl.eps_high, dual_clip=c.rl.dual_clip or None, agg=c.rl.agg,
+        kl_coef=c.rl.kl_coef, temperature=c.sampler.temperature,
+        vocab_chunk=c.learner.vocab_chunk or model_cfg.vocab_size,
+        triage=triage(c) if c.rl.correction == "triage" else None,
+        aux_coef=model_cfg.router_aux_loss_coef if model_cfg.num_experts else 0.0,
+    )
+
+
+def optim(c: ml_collections.ConfigDict) -> OptimSettings:
+    o = c.optim
+    return OptimSettings(lr=o.lr, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+                         grad_clip=o.grad_clip)
+
+
+def learner(c: ml_collections.ConfigDict, model: nnx.Module, *, mesh=None, abstract: bool = False):
+    """The run's Learner for `model` on the config's mesh (or `mesh`)."""
+    from triage_jax import sharding as shd
+    from triage_jax.learner import Learner
+
+    return Learner(model, loss=loss(c, model.cfg), correction=correction(c), triage=triage(c), optim=optim(c),
+                   policy=learner_policy(c), micro_batch=c.rl.micro_batch,
+                   mesh=mesh if mesh is not None else shd.make_mesh(c.mesh.to_dict()), abstract=abstract)
+
+
+def checkpointer(c: ml_collections.ConfigDict, *, keep: int | None = None) -> ckpt_lib.Checkpointer:
+    return ckpt_lib.Checkpointer(os.path.join(os.path.abspath(c.run_dir), "checkpoints"),
+                                 keep=c.train.keep_checkpoints if keep is None else keep)
+
+
+def load_policy(c: ml_collections.ConfigDict, step: int | None = None) -> tuple[nnx.Module, Any, int | None]:
+    """(model, tokenizer, step) of a run's checkpoint (newest or `step`), else of config.model.hf_path."""
+    import jax
+
+    from triage_jax.learner import make_optimizer
+
+    tok = tokenizer(c)
+    mc = model_config(c, tok.vocab_size)
+    ck = checkpointer(c)
+    if ck.all_steps():
+        abstract_model = nnx.eval_shape(lambda: models.Qwen3(mc, rngs=nnx.Rngs(0)))
+        graphdef, params = nnx.split(abstract_model, nnx.Param)
+        abstract = {"params": params, "opt_state": jax.eval_shape(make_optimizer(optim(c)).init, params)}
+        got = ck.restore(abstract, step)
+        if got is None:
+            raise FileNotFoundError(f"no usable checkpoint{'' if step is None else f' at step {step}'} under "
+                                    f"{ck.directory}")
+        return nnx.merge(graphdef, got[1]["params"]), tok, got[0]
+    if c.model.hf_path:
+        return models.from_pretrained(c.model.hf_path, dtype=c.model.dtype), tok, None
+    raise FileNotFoundError(f"no checkpoint under {ck.directory} and no config.model.hf_path to evaluate")

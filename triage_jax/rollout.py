@@ -1,0 +1,161 @@
+"""Rollout assembly: sample G responses per prompt, score and shape them, lay them out for the learner, and fill
+a batch with DAPO dynamic sampling (docs/rl_math.md#dynamic-sampling).
+
+One container, `Rollout`, carries a batch from the sampler to the learner; its field names are the learner's
+(`learner.RolloutBatch` adds the recomputed log-probs and the correction's weights to the same names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from triage_jax import sampler as sampler_lib
+from triage_jax.data.rewards import score_batch
+from triage_jax.rl import grpo
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """N responses on the host, each row laid out as [left-padded prompt (P) | response (R)]."""
+
+    input_ids: np.ndarray  # int32 [N, P + R]
+    attn_mask: np.ndarray  # bool [N, P + R]: real prompt and response tokens
+    resp_mask: np.ndarray  # float32 [N, R]: real response tokens
+    sampler_logp: np.ndarray  # float32 [N, R] (0 on padding)
+    rewards: np.ndarray  # float32 [N]: the reward the advantages use (correctness + overlong shaping)
+    correct: np.ndarray  # bool [N]: what dynamic sampling filters on
+    lengths: np.ndarray  # int32 [N] response tokens
+    adv: np.ndarray  # float32 [N] group advantages (0 until `with_advantages`, always 0 for fill rows)
+    real: np.ndarray  # bool [N]: False for fill rows (no token, no weight)
+
+    @property
+    def num(self) -> int:
+        return self.input_ids.shape[0]
+
+    def take(self, rows) -> "Rollout":
+        """The rows `rows` (an index array or a boolean mask), in that order."""
+        return Rollout(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+
+    @staticmethod
+    def concat(parts: Sequence["Rollout"]) -> "Rollout":
+        return Rollout(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
+                          for f in dataclasses.fields(Rollout)})
+
+    @staticmethod
+    def fill_rows(n: int, prompt_len: int, resp_len: int, pad_id: int) -> "Rollout":
+        """n rows that hold no token: they enter no sum and no denominator."""
+        s = prompt_len + resp_len
+        return Rollout(input_ids=np.full((n, s), pad_id, np.int32), attn_mask=np.zeros((n, s), bool),
+                       resp_mask=np.zeros((n, resp_len), np.float32),
+                       sampler_logp=np.zeros((n, resp_len), np.float32), rewards=np.zeros(n, np.float32),
+                       correct=np.zeros(n, bool), lengths=np.zeros(n, np.int32), adv=np.zeros(n, np.float32),
+                       real=np.zeros(n, bool))
+
+
+def layout(prompts: Sequence[Sequence[int]], tokens_nr, mask_nr, *, prompt_len: int, pad_id: int):
+    """(input_ids [N, P+R], attn_mask [N, P+R]) of left-padded prompts followed by their responses."""
+    n, r = tokens_nr.shape
+    ids = np.full((n, prompt_len + r), pad_id, np.int32)
+    attn = np.zeros(ids.shape, bool)
+    for i, p in enumerate(prompts):
+        ids[i, prompt_len - len(p): prompt_len] = p
+        attn[i, prompt_len - len(p): prompt_len] = True
+    ids[:, prompt_len:] = np.where(mask_nr, tokens_nr, pad_id)
+    attn[:, prompt_len:] = mask_nr
+    return ids, attn
+
+
+def sample_groups(model, examples, *, tok, sampling: sampler_lib.SamplingConfig, policy, group_size: int,
+                  prompt_len: int, key, overlong_buffer: int = 0, overlong_factor: float = 1.0,
+                  reward: str = "dapo") -> tuple[Rollout, float]:
+    """G sampled, scored responses of each example (rows grouped by prompt); returns (rollout, scoring seconds).
+
+    The reward is the DAPO correctness reward plus, with a buffer, the overlong penalty over L =
+    `sampling.max_new_tokens`; `correct` keeps the bare correctness for dynamic sampling.
+    """
+    r = sampling.max_new_tokens
+    prompts = [tok.encode_prompt(ex.prompt) for ex in examples for _ in range(group_size)]
+    if max(map(len, prompts)) > prompt_len:
+        raise ValueError(f"a {max(map(len, prompts))}-token prompt exceeds config.sampler.max_prompt_len={prompt_len}")
+    out = sampler_lib.generate(model, prompts, sampling, policy=policy, key=key, pad_id=tok.pad_id,
+                               max_cache_len=prompt_len + r)
+    tokens = np.asarray(out.tokens)[:, :r]
+    mask = np.asarray(out.mask)[:, :r]
+    logp = np.asarray(out.logprobs)[:, :r]
+    lengths = mask.sum(-1).astype(np.int32)
+    t0 = time.perf_counter()
+    texts = [tok.decode(tokens[i, : lengths[i]]) for i in range(len(prompts))]
+    truths = [ex.ground_truth for ex in examples for _ in range(group_size)]
+    scored = score_batch(texts, truths, reward=reward)
+    rewards = np.asarray(scored.rewards, np.float32)
+    if overlong_buffer:
+        rewards = rewards + np.asarray(grpo.overlong_penalty(lengths, r, overlong_buffer, overlong_factor))
+    reward_s = time.perf_counter() - t0
+    ids, attn = layout(prompts, tokens, mask, prompt_len=prompt_len, pad_id=tok.pad_id)
+    n = len(prompts)
+    return Rollout(input_ids=ids, attn_mask=attn, resp_mask=mask.astype(np.float32),
+                   sampler_logp=np.where(mask, logp, 0.0).astype(np.float32), rewards=rewards,
+                   correct=np.asarray(scored.accuracy, bool), lengths=lengths, adv=np.zeros(n, np.float32),
+                   real=np.ones(n, bool)), reward_s
+
+
+def collect(draw: Callable[[int], Rollout], *, num_prompts: int, group_size: int, dynamic_sampling: bool,
+            max_resample: int, std_normalize: bool, prompt_len: int, resp_len: int, pad_id: int
+            ) -> tuple[Rollout, dict[str, float]]:
+    """A batch of num_prompts groups: `draw(attempt)` yields one fresh batch of groups; with dynamic sampling,
+    groups whose responses are all right or all wrong are dropped and up to `max_resample` more batches drawn.
+    Groups still missing become fill rows. Advantages come from the kept groups' (shaped) rewards.
+    Returns the rollout (real rows first) and its statistics over every drawn response."""
+    want = num_prompts * group_size
+    kept: list[Rollout] = []
+    drawn: list[Rollout] = []
+    n_groups = n_kept = 0
+    for attempt in range(1 + (max_resample if dynamic_sampling else 0)):
+        ro = draw(attempt)
+        drawn.append(ro)
+        keep = (np.asarray(grpo.dynamic_sampling_keep(ro.correct.astype(np.float32), group_size))
+                if dynamic_sampling else np.ones(ro.num // group_size, bool))
+        n_groups += len(keep)
+        n_kept += int(keep.sum())
+        kept.append(ro.take(np.repeat(keep, group_size)))
+        if sum(k.num for k in kept) >= want:
+            break
+    ro = Rollout.concat(kept).take(np.arange(min(want, sum(k.num for k in kept))))
+    n_real = ro.num
+    if n_real < want:
+        ro = Rollout.concat([ro, Rollout.fill_rows(want - n_real, prompt_len, resp_len, pad_id)])
+    adv = np.array(grpo.group_advantages(ro.rewards, group_size, std_normalize=std_normalize), np.float32)
+    adv[~ro.real] = 0.0
+    ro = dataclasses.replace(ro, adv=adv)
+    every = Rollout.concat(drawn)
+    stats = {
+        "reward/mean": float(every.rewards.mean()), "reward/accuracy": float(every.correct.mean()),
+        "response/length_mean": float(every.lengths.mean()),
+        "response/truncated_frac": float((every.lengths >= resp_len).mean()),
+        "dynamic_sampling/kept_groups_frac": n_kept / max(n_groups, 1),
+        "dynamic_sampling/batch_fill": n_real / want, "dynamic_sampling/rollouts": float(len(drawn)),
+    }
+    return ro, stats
+
+
+def spread_fill(ro: Rollout, num_minibatches: int) -> Rollout:
+    """Reorder rows so every mini-batch holds a near-equal share of the real rows (and of the fill rows).
+
+    With fill rows at the end, the last mini-batches would hold no real token yet still be stepped on.
+    """
+    n = ro.num
+    if n % num_minibatches:
+        raise ValueError(f"{n} rows do not split into {num_minibatches} mini-batches")
+    m = n // num_minibatches
+    real = np.flatnonzero(ro.real)
+    fill = np.flatnonzero(~ro.real)
+    order, fi = [], 0
+    for j in range(num_minibatches):
+        share = real[j * len(real) // num_minibatches: (j + 1) * len(real) // num_minibatches]
+        order += list(share) + list(fill[fi: fi + m - len(share)])
+        fi += m - len(share)
+    return ro.take(np.asarray(order, np.int64))
