@@ -5,7 +5,7 @@
 
 For each warmed-up tiny model (configs/tiny.py, configs/tiny_moe.py; the cached supervised warm-up) and compute
 dtype, held-out synthetic prompts are sampled once per sampler setting; the learner recomputes the log-probs of
-those tokens under its precision, and delta = learner - sampler log-prob per response token (spec rl_math.md).
+those tokens under its precision, and delta = learner - sampler log-prob per response token (docs/rl_math.md#delta).
 Prints a markdown table of mean |delta| beside the paper's miniTE values, checks the paper's orderings on the
 measured numbers, and draws a bar chart.
 
@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 from experiments import common  # noqa: E402
 
-# Paper values (spec rl_math.md, "Mismatch ... reported by the miniTE study at the start of training"): reference
+# Paper values (docs/rl_math.md#paper-reference-values): reference
 # data to compare against, not results of this code.
 PAPER = {
     "BF16 / BF16": {"tiny": 0.0110, "tiny_moe": 0.0172},

@@ -4,7 +4,7 @@
         [--out_dir runs/<tag>] [--results experiments/results] [--figures experiments/figures]
         [--set rl.num_prompts=4 --set optim.lr=3e-4 ...]
 
-Arms (spec rl_math.md; every NVFP4 arm samples with the W4A4 NVFP4 sampler against the BF16 learner):
+Arms (docs/rl_math.md#corrections; every NVFP4 arm samples with the W4A4 NVFP4 sampler against the BF16 learner):
   bf16              BF16 sampler, no correction (the mismatch-free reference)
   nvfp4             NVFP4 sampler, no correction
   nvfp4_tis         NVFP4 + token-level TIS, C = 2
@@ -55,7 +55,7 @@ CURVES = (
     ("reward/accuracy", "rollout accuracy"),
 )
 
-# Settings shared by every arm. segment_len 8: the tiny task's responses are <= 24 tokens, so the spec's 64-token
+# Settings shared by every arm. segment_len 8: the tiny task's responses are <= 24 tokens, so the paper's 64-token
 # segments would hold a whole response and tail persistence (adjacent segments) would be undefined.
 COMMON = {"rl.triage.segment_len": 8, "train.progress": False}
 

@@ -1,4 +1,4 @@
-"""Correction baselines behind one interface (spec rl_math.md): hand-computed weights and masks per rule, metrics,
+"""Correction baselines behind one interface (docs/rl_math.md#corrections): hand-computed weights and masks per rule, metrics,
 config handling, no gradient, padding."""
 
 from __future__ import annotations

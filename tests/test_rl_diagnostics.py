@@ -1,4 +1,4 @@
-"""Mismatch diagnostics (spec rl_math.md): hand-computed batches, a loop-based numpy reference, NaN on empty
+"""Mismatch diagnostics (docs/rl_math.md#diagnostics): hand-computed batches, a loop-based numpy reference, NaN on empty
 denominators, exact masked quantiles, invariances."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def f(x):
 
 
 def ref_metrics(adv, delta, mask, cfg, weights):
-    """The spec table with loops (float64 sums, float32 threshold tests)."""
+    """The docs/rl_math.md#diagnostics table with loops (float64 sums, float32 threshold tests)."""
     d32, m = np.asarray(delta, np.float32), np.asarray(mask) != 0
     d = d32.astype(np.float64)
     n_rows, t = d.shape

@@ -1,4 +1,4 @@
-"""GRPO / DAPO math (spec rl_math.md): advantages, clipped surrogate, aggregation modes and their exact
+"""GRPO / DAPO math (docs/rl_math.md): advantages, clipped surrogate, aggregation modes and their exact
 micro-batch accumulation, dynamic sampling, overlong shaping, k3 KL, entropy."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TRIAGE gating and repair (spec rl_math.md): hand-computed cases, a loop-based numpy reference, properties."""
+"""TRIAGE gating and repair (docs/rl_math.md#triage): hand-computed cases, a loop-based numpy reference, properties."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 from triage_jax.rl.triage import (TriageConfig, gate_weights, propose_thresholds, repair_loss, repair_loss_sum,
                                   segment_stats, segment_weights)
 
-CFG4 = TriageConfig(segment_len=4)  # spec thresholds, short segments so small arrays hold several
+CFG4 = TriageConfig(segment_len=4)  # default thresholds, short segments so small arrays hold several
 N, T, L = 6, 20, 8  # property-test shape: 3 segments of 8, the last one partial
 CFG8 = TriageConfig(segment_len=L)
 
@@ -28,7 +28,7 @@ repair_jit = jax.jit(repair_loss, static_argnums=5)
 
 
 def ref_alpha(adv, delta, mask, cfg):
-    """Direct transcription of the spec with Python loops (float64 sums, float32 threshold tests)."""
+    """Direct transcription of docs/rl_math.md#triage with Python loops (float64 sums, float32 threshold tests)."""
     adv, delta, mask = np.asarray(adv, np.float64), np.asarray(delta, np.float64), np.asarray(mask) != 0
     n, t = delta.shape
     a = adv if adv.ndim == 2 else np.broadcast_to(adv[:, None], (n, t))

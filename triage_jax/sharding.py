@@ -1,8 +1,8 @@
 """Device mesh and the one table mapping logical axis names to mesh axes (as MaxText does).
 
 Parameters carry logical names (embed, heads, kv, mlp, expert, vocab) and activations (batch, length); the
-table in `config.mesh.rules` maps each to mesh axes (data, fsdp, tensor, expert). Nothing else in the code
-names a mesh axis.
+table `DEFAULT_RULES` below maps each to mesh axes (data, fsdp, tensor, expert); a different table is passed as
+`Learner(rules=...)`. Nothing else in the code names a mesh axis.
 """
 
 from __future__ import annotations

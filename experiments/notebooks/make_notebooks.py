@@ -43,7 +43,7 @@ DIAGNOSTICS = [
 # Direction and segment diagnostics of a GRPO run
 
 Reads a run's TensorBoard scalars (tensorboardX event files under `run_dir/tb`) and its last checkpoint, and draws
-the mismatch diagnostics of the spec (rl_math.md):
+the mismatch diagnostics of docs/rl_math.md#diagnostics:
 
 1. **quadrant occupancy over time**: the share of response tokens in each (advantage sign, delta sign) quadrant,
    and their |A|-weighted mass; the amplifying regions are A+d+ and A-d-, `rho_asym` is their mass ratio;
@@ -188,7 +188,7 @@ WALKTHROUGH = [
 Part 1 quantizes a small tensor to NVFP4 with the package's bit-exact reference (`triage_jax.quant`): E2M1
 element codes, E4M3 block scales over 16 elements, a float32 global scale, the packed bytes, and the error
 against BF16, MXFP8 and token-wise (row) scaling. Part 2 runs TRIAGE's gate and repair on a toy batch whose
-mismatch we choose by hand (spec rl_math.md)."""),
+mismatch we choose by hand (docs/rl_math.md#triage)."""),
     ("code", SETUP),
     ("md", """\
 ## 1. NVFP4
@@ -219,18 +219,19 @@ packed = np.asarray(t.packed)
 assert np.array_equal(packed, codes[:, 0::2] | (codes[:, 1::2] << 4))
 print("first bytes of row 0:", [f"0x{b:02x}" for b in packed[0, :4]], "<- codes", codes[0, :8])
 assert np.array_equal(np.asarray(F.e2m1_decode(codes)) < 0, (codes >= 8) & (codes != 8))  # -0 is code 8"""),
-    ("md", "Dequantize by hand, left to right as the spec orders it, and compare with `NVFP4Tensor.dequantize`:"),
+    ("md", "Dequantize by hand, in the order docs/numerics.md#nvfp4-dequantize gives, and compare with `NVFP4Tensor.dequantize`:"),
     ("code", """\
 elem = np.asarray(F.e2m1_decode(t.codes))                       # [4, 64]
 block = np.repeat(np.asarray(t.decoded_scale()), 16, axis=-1)   # [4, 64]
-g = float(t.amax) / 2688.0
-manual = (elem * block).astype(np.float32) * np.float32(g)
+# Transformer Engine's order, all float32: final = (s * amax) * f32(1 / (6 * 448)), then e2m1 * final.
+final = (block.astype(np.float32) * np.float32(t.amax)) * np.float32(1.0 / 2688.0)
+manual = elem.astype(np.float32) * final
 assert np.array_equal(manual, np.asarray(t.dequantize()))
 xq = manual
 err = np.abs(xq - x)
 print(f"max |error| {err.max():.4f}, relative RMS error {np.sqrt((err**2).mean() / (x**2).mean()):.4f}")
 print("block amax / block scale * g (each block's largest magnitude maps to ~6):",
-      np.round(np.abs(x[1, :16]).max() / (np.asarray(t.decoded_scale())[1, 0] * g), 3))"""),
+      np.round(np.abs(x[1, :16]).max() / (np.asarray(t.decoded_scale())[1, 0] * float(t.amax) / 2688.0), 3))"""),
     ("md", "Error by format and scaling, on the same tensor:"),
     ("code", """\
 def rel_rms(q):

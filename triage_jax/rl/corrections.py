@@ -1,4 +1,4 @@
-"""Mismatch corrections behind one interface (spec rl_math.md): per-token weights and an updated mask from
+"""Mismatch corrections behind one interface (docs/rl_math.md#corrections): per-token weights and an updated mask from
 (adv, delta, mask), delta = old_logp - sampler_logp, rho = exp(delta).
 
     out = apply_correction("icepop", adv=adv, delta=delta, mask=mask, cfg=make_config("icepop", {"b": 4.0}))
@@ -166,7 +166,7 @@ def _lookup(name: str) -> Correction:
 
 
 def make_config(name: str, overrides: Mapping[str, Any] | None = None):
-    """The config dataclass of correction `name`: spec defaults updated by `overrides`; unknown keys fail."""
+    """The config dataclass of correction `name`: its defaults updated by `overrides`; unknown keys fail."""
     return config_with(_lookup(name).config_cls, overrides, owner=f"correction {name!r}")
 
 

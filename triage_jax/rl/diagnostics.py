@@ -1,4 +1,4 @@
-"""Mismatch diagnostics (spec rl_math.md), cheap enough to log every step; one jit-able function of (adv, delta, mask).
+"""Mismatch diagnostics (docs/rl_math.md#diagnostics), cheap enough to log every step; one jit-able function of (adv, delta, mask).
 
 `mismatch_metrics` returns float32 scalars under these names (N responses, T positions, masked to real tokens):
 
@@ -140,7 +140,7 @@ def _sums(xs, axis) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, weights=None) -> dict[str, jax.Array]:
-    """Every mismatch metric of the spec (names in the module docstring) for one batch; jit-able (cfg static).
+    """Every mismatch metric of docs/rl_math.md#diagnostics (names in the module docstring) for one batch; jit-able (cfg static).
 
     `weights` [N,T] are the per-token weights applied to the loss, for b_amp / b_con; default TRIAGE's alpha.
     Structure: a few passes over the tokens yield per-segment sums [N,S] and totals; everything else is computed

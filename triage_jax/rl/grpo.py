@@ -1,4 +1,4 @@
-"""GRPO / DAPO math (spec rl_math.md): group advantages, the clipped surrogate, loss aggregation, dynamic-sampling
+"""GRPO / DAPO math (docs/rl_math.md): group advantages, the clipped surrogate, loss aggregation, dynamic-sampling
 filter, overlong shaping, k3 KL and entropy. Pure jax.numpy; shapes N responses x T positions.
 
 Losses return `(unreduced sum, denominator)`: summing both over micro-batches and dividing once gives exactly the

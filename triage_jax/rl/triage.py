@@ -1,4 +1,4 @@
-"""TRIAGE (spec rl_math.md): segment-level, direction-selective gating of the amplifying region (A < 0, delta < 0),
+"""TRIAGE (docs/rl_math.md#triage): segment-level, direction-selective gating of the amplifying region (A < 0, delta < 0),
 normalized per response so no update mass is removed, plus a bounded pseudo-Huber repair on A > 0 responses.
 
 Vectorized over segments: T is padded to a multiple of `segment_len` and viewed as [N, S, L].
@@ -21,7 +21,7 @@ from triage_jax.rl._checks import (F32, check_adv, check_adv_any, check_float, c
 
 @dataclasses.dataclass(frozen=True)
 class TriageConfig:
-    """TRIAGE thresholds (spec defaults); hashable, so it can be a static jit argument."""
+    """TRIAGE thresholds (defaults: docs/rl_math.md#thresholds); hashable, so it can be a static jit argument."""
 
     segment_len: int = 64
     tau_tail: float = 0.3
@@ -241,7 +241,7 @@ def propose_thresholds(delta, mask, base: TriageConfig | None = None, *, tail_qu
                        g_quantiles: tuple[float, float] = (0.90, 0.99)) -> TriageConfig:
     """Read TRIAGE thresholds off a pilot run's delta [N,T] (host-side, numpy). Heuristic:
 
-    - tau_tail = -(tail_quantile quantile of delta) (the spec's example), kept from `base` if that is <= 0;
+    - tau_tail = -(tail_quantile quantile of delta) (the example in docs/rl_math.md#thresholds), kept from `base` if that is <= 0;
     - f_lo, f_hi = 2x and 6x the resulting tail frequency (the defaults 0.10 / 0.30 at a 5% tail), capped below 1;
     - g_lo, g_hi = the `g_quantiles` quantiles of the segment mean -dbar_S (floored at 0): segments more negative
       than 90% of the pilot's start to be gated and the worst 1% are fully gated.

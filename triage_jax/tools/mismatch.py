@@ -2,7 +2,7 @@
 
     python -m triage_jax.tools.mismatch --config=tiny --learner=bf16 --sampler=w4a4 [--kv=fp8] [--num_prompts=8]
 
-delta = learner log-prob - sampler log-prob per response token (spec rl_math.md). Prompts are synthetic math
+delta = learner log-prob - sampler log-prob per response token (docs/rl_math.md#delta). Prompts are synthetic math
 problems (character tokenizer; a checkpoint's own tokenizer.json with --checkpoint), or random token ids with
 --prompts=random. Responses are scored with the DAPO reward and grouped (--group_size samples per prompt) to give
 the advantages of the quadrant metrics; a random-init model answers nothing right, so those are NaN (empty
