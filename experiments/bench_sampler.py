@@ -6,23 +6,30 @@ Reports, per batch size (1, 8, 32): end-to-end tokens/s of `triage_jax.sampler.g
 (same prompts, same length, sampling at T=1, no early stop), the JAX decode-loop-only tokens/s, and the speedup;
 then the JAX per-token decode time at position 64 and at 1024 in one 2048-slot cache (attention always spans the
 whole preallocated cache, so the two should match). Times are the best of `--repeats` runs after a warm-up
-(compilation excluded). Prints a table and one JSON line.
+(compilation excluded). Prints the load average first (the table and the JSON line say "measured under load"
+above 0.5 per core, experiments/loadavg.py), a table and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 
-import jax
-import numpy as np
-from flax import nnx
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from triage_jax import models
-from triage_jax.quant import PrecisionPolicy
-from triage_jax.sampler import SamplingConfig, decode, generate, prefill, prepare_batch
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from experiments.loadavg import machine_load  # noqa: E402
+from triage_jax import models  # noqa: E402
+from triage_jax.quant import PrecisionPolicy  # noqa: E402
+from triage_jax.sampler import SamplingConfig, decode, generate, prefill, prepare_batch  # noqa: E402
 
 
 def best_of(fn, repeats):
@@ -107,6 +114,8 @@ def main(argv=None):
     ap.add_argument("--decode_tokens", type=int, default=64, help="steps timed at positions 64 and 1024")
     ap.add_argument("--no_hf", action="store_true")
     args = ap.parse_args(argv)
+    load = machine_load()
+    print(load.line())
 
     cfg_model = models.get_model_config("tiny")
     model = models.Qwen3(cfg_model, rngs=nnx.Rngs(0))
@@ -149,7 +158,7 @@ def main(argv=None):
         flat[f"ms_per_token_at_{pos}"] = 1e3 * t / args.decode_tokens
 
     print(f"tiny Qwen3 ({sum(x.size for x in jax.tree.leaves(nnx.state(model))) / 1e6:.1f}M params, float32), "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {jax.devices()[0].platform}")
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {jax.devices()[0].platform}{load.tag()}")
     head = f"{'batch':>5} {'jax tok/s':>10} {'jax decode tok/s':>17} {'hf tok/s':>9} {'speedup':>8}"
     print(head)
     for r in rows:
@@ -158,7 +167,7 @@ def main(argv=None):
     print(f"decode step, batch 8, 2048-slot cache: {flat['ms_per_token_at_64']:.2f} ms at position 64, "
           f"{flat['ms_per_token_at_1024']:.2f} ms at position 1024")
     print(f"greedy tokens identical to HF transformers on the same weights: {agree}")
-    print(json.dumps({"bench": "sampler", "rows": rows, **flat, "greedy_matches_hf": agree}))
+    print(json.dumps({"bench": "sampler", "rows": rows, **flat, "greedy_matches_hf": agree, **load.fields()}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ timed per million token positions next to a plain masked mean over the same arra
     python experiments/bench_triage.py [--n 512] [--t 2048] [--reps 40]
 
 All parts are sampled round-robin in one process, so they share the machine's background load; the minimum over
-reps is the least load-sensitive figure (the median is printed too). Prints a table and one JSON line.
+reps is the least load-sensitive figure (the median is printed too). Prints the load average first (the table and
+the JSON line say "measured under load" above 0.5 per core, experiments/loadavg.py), a table and one JSON line.
 Target: triage_all <= 10x the baseline.
 """
 
@@ -12,15 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from triage_jax.rl.diagnostics import mismatch_metrics
-from triage_jax.rl.triage import TriageConfig, gate_weights, repair_loss
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments.loadavg import machine_load  # noqa: E402
+from triage_jax.rl.diagnostics import mismatch_metrics  # noqa: E402
+from triage_jax.rl.triage import TriageConfig, gate_weights, repair_loss  # noqa: E402
 
 
 def make_batch(n: int, t: int, seed: int = 0):
@@ -59,6 +66,8 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=40)
     args = ap.parse_args()
+    load = machine_load()
+    print(load.line())
     cfg = TriageConfig()
     adv, delta, mask, logp, sampler_logp = make_batch(args.n, args.t)
     step = jnp.asarray(cfg.k_rep, jnp.int32)
@@ -92,7 +101,7 @@ def main() -> None:
                              "triage_all": triage_all}, arrays, args.reps)
     base = rows["baseline_masked_mean"]
     print(f"N={args.n} T={args.t} ({mtok:.3f} M positions, {int(np.asarray(mask).sum())} real tokens), "
-          f"backend={jax.default_backend()}, {args.reps} interleaved reps; ms per million positions")
+          f"backend={jax.default_backend()}, {args.reps} interleaved reps; ms per million positions{load.tag()}")
     cols = ("wall_min", "wall_median", "cpu_min", "cpu_median")
     print(f"{'part':<24}" + "".join(f"{c:>13}" for c in cols) + f"{'x base (wall_min)':>20}")
     for name, r in rows.items():
@@ -101,7 +110,7 @@ def main() -> None:
     ratios = {c: rows["triage_all"][c] / base[c] for c in cols}
     print("triage_all / baseline: " + ", ".join(f"{c} {v:.2f}x" for c, v in ratios.items())
           + f" (target <= 10x: {'OK' if ratios['wall_min'] <= 10 else 'OVER'} on wall_min)")
-    print(json.dumps({"n": args.n, "t": args.t, "reps": args.reps,
+    print(json.dumps({"bench": "triage", "n": args.n, "t": args.t, "reps": args.reps, **load.fields(),
                       **{f"{k}_ms_per_mtok": round(v["wall_min"] * 1e3 / mtok, 4) for k, v in rows.items()},
                       **{f"triage_over_baseline_{c}": round(v, 3) for c, v in ratios.items()}}))
 

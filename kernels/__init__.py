@@ -1,1 +1,2 @@
-"""Pallas / jax-triton / TE-JAX kernels, installed as `triage_jax.kernels` and registered as quant backends."""
+"""Kernels, installed as `triage_jax.kernels`: `pallas_quant` (Pallas NVFP4 / MXFP8 quantize kernels and a fused
+dequantize-matmul), which registers the `pallas` quantization backend when imported."""

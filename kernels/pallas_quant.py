@@ -1,6 +1,8 @@
 """Pallas kernels: NVFP4 and MXFP8 quantize, and a fused dequantize-matmul over block-scaled operands.
 
-Interpret mode on CPU (the bit-exactness checks), compiled on GPU. The per-block math is the reference's own
+Importing this module registers the `pallas` quantization backend (`register()`; the registry in
+triage_jax/quant/backends.py imports it on its first query). Interpret mode on CPU (the bit-exactness checks),
+compiled on GPU. The per-block math is the reference's own
 (`formats.nvfp4_encode_blocks`, `formats.mxfp8_encode_blocks`), applied to one VMEM/SMEM tile at a time, so the
 kernels differ from the reference only in tiling, layout and packing, which is what the tests check. The global
 amax is a separate reduction pass before the quantize kernel (as in TE). Float8 outputs leave the kernels as their
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from triage_jax.quant import backends as be
 from triage_jax.quant import formats as fmt
 
 F32 = jnp.float32
@@ -196,7 +199,9 @@ def dequant_matmul(
     """y[M, N] (float32) = lhs[M, K] . rhs[N, K]^T with each operand dequantized inside the kernel.
 
     lhs / rhs: NVFP4Tensor, MXFP8Tensor, FP8Tensor or a raw array, 2D in [rows, K] layout. The float32 output
-    factors (NVFP4 global decode scales, per-row for token-wise scaling; FP8 scales) are applied to the tile sum.
+    factors (NVFP4 global decode scales, per-row for token-wise scaling; FP8 scales) are applied to the tile sum,
+    as the GEMM's alpha (NVFP4Tensor.global_decode_scale): the tiles hold the exact values e2m1 * s, and this is a
+    matmul, not TE's dequantize (that is NVFP4Tensor.dequantize).
     """
     lk, la, lf = _operand(lhs)
     rk, ra, rf = _operand(rhs)
@@ -216,3 +221,37 @@ def dequant_matmul(
         name="dequant_matmul",
     )(*la, *ra)
     return y * lf * (jnp.reshape(rf, (1, -1)) if jnp.ndim(rf) else rf)  # per-row lhs factor [M, 1], scalars
+
+
+# --- the backend -------------------------------------------------------------------------------------------------
+
+
+def _probe() -> tuple[bool, str]:
+    x = jnp.linspace(-3.0, 3.0, 8 * 64, dtype=F32).reshape(8, 64)
+    a, b = fmt.quantize_nvfp4(x), quantize_nvfp4(x)
+    if not bool(jnp.array_equal(a.packed, b.packed)):
+        return False, "the Pallas NVFP4 kernel disagrees with the reference on the probe tensor"
+    mode = "interpret mode (slow; for checks)" if default_interpret() else "compiled"
+    return True, f"Pallas on {jax.default_backend()}, {mode}"
+
+
+def _quantize(x, fmt_name, scaling="tensor", amax=None):
+    if fmt_name == "nvfp4":
+        return quantize_nvfp4(x, scaling=scaling, amax=amax)
+    if fmt_name == "mxfp8":
+        return quantize_mxfp8(x)
+    return be.reference_quantize(x, fmt_name, scaling, amax)  # FP8 per-tensor is one multiply: no kernel
+
+
+BACKEND = be.Backend(
+    "pallas", _probe, _quantize, lambda lhs, rhs: dequant_matmul(lhs, rhs),
+    accelerated=lambda: jax.default_backend() == "gpu",
+)  # dense forward composed from these; grouped: these quantizers + the reference grouped GEMM
+
+
+def register() -> None:
+    """Register (or re-register) the `pallas` backend."""
+    be.register_backend(BACKEND)
+
+
+register()

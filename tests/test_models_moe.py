@@ -108,3 +108,14 @@ def test_moe_model_aux_loss_is_differentiable_through_the_router():
     ids = jnp.arange(10)[None] % 32
     g = nnx.jit(nnx.grad(lambda m: m(ids, return_aux=True)[1]["moe_aux_loss"]))(m)
     assert float(jnp.abs(g.layers[0].moe.router.kernel[...]).max()) > 0
+
+
+def test_moe_row_chunk_is_a_validated_static_config_field():
+    from triage_jax.models import moe as moe_lib
+
+    cfg = get_model_config("tiny_moe")
+    assert cfg.moe_row_chunk == 0 and cfg.replace(moe_row_chunk=64).moe_row_chunk == 64
+    assert hash(cfg) != hash(cfg.replace(moe_row_chunk=64))
+    with pytest.raises(ValueError, match="moe_row_chunk=-1"):
+        cfg.replace(moe_row_chunk=-1)
+    assert not hasattr(moe_lib, "row_chunking") and not hasattr(moe_lib, "_ROW_CHUNK")  # no hidden global

@@ -44,8 +44,15 @@ def test_cpu_capabilities_and_no_silent_substitution():
     with pytest.raises(quant.BackendUnavailableError, match="'cudnn' is unavailable here: .*compute capability"):
         quant.resolve_backend("cudnn")
     x, w = jnp.ones((4, 32)), jnp.ones((32, 16))
+    te_ok, te_reason = avail["te"]
+    if "does not import" in te_reason:  # TE not installed: selecting it says so, naming the extra to install
+        with pytest.raises(quant.BackendUnavailableError, match="'te' is unavailable here: transformer_engine.jax "
+                                                                "does not import.*install the 'te' extra"):
+            quant.qdot(x, w, PRESETS["w4a4"], backend="te")
     with pytest.raises(quant.BackendUnavailableError, match="'te' is unavailable"):
         quant.qdot(x, w, PRESETS["w4a4"], backend="te")
+    with pytest.raises(quant.BackendUnavailableError, match="'te' is unavailable"):
+        quant.qragged_dot(x, jnp.ones((2, 32, 16)), jnp.asarray([2, 2], jnp.int32), PRESETS["w4a4"], backend="te")
     with pytest.raises(ValueError, match="unknown quantization backend 'tpu'"):
         quant.qdot(x, w, PRESETS["w4a4"], backend="tpu")
 
@@ -64,6 +71,113 @@ def test_register_custom_backend_and_probe_failure():
     finally:
         backends._REGISTRY.pop("broken")
         backends._probe.cache_clear()
+
+
+@pytest.fixture
+def registered():
+    """Register test backends; restores the registry (and the probe cache) afterwards."""
+    saved = dict(backends._REGISTRY)
+    yield lambda b: quant.register_backend(b)
+    backends._REGISTRY.clear()
+    backends._REGISTRY.update(saved)
+    backends._probe.cache_clear()
+
+
+def test_qdot_dispatches_through_the_registry_only(registered):
+    """Replacing the registry's `xla` entry changes what qdot(backend="xla") runs: no name is special-cased."""
+    calls = []
+
+    def dot(x, w, prec):
+        calls.append(("dot", x.shape, tuple(w.shape), prec))
+        return jnp.full((x.shape[0], w.shape[-1]), 7.0, jnp.float32)
+
+    def grouped(x, w, gs, prec):
+        calls.append(("grouped", x.shape, tuple(w.shape), prec))
+        return jnp.full((x.shape[0], w.shape[-1]), 3.0, jnp.float32)
+
+    x, w = _x((2, 4, 32)), _x((32, 16), seed=1)
+    for name in ("xla", "fake"):
+        calls.clear()
+        registered(backends.Backend(name, lambda: (True, "test"), dot=dot, grouped_dot=grouped))
+        y = quant.qdot(x, w, PRESETS["w4a4"], backend=name)
+        assert calls == [("dot", (8, 32), (32, 16), PRESETS["w4a4"])]
+        np.testing.assert_array_equal(np.asarray(y), np.full((2, 4, 16), 7.0))
+        y = quant.qragged_dot(x[0], _x((2, 32, 16)), jnp.asarray([1, 3], jnp.int32), PRESETS["w4a8"], backend=name)
+        assert calls[-1] == ("grouped", (4, 32), (2, 32, 16), PRESETS["w4a8"])
+        np.testing.assert_array_equal(np.asarray(y), np.full((4, 16), 3.0))
+
+
+def test_composed_forward_uses_the_backends_quantize_and_matmul(registered):
+    """A backend with only quantize + matmul gets the composed dense forward and the reference grouped GEMM."""
+    seen = []
+
+    def quantize(x, fmt_name, scaling="tensor", amax=None):
+        seen.append(("quantize", fmt_name, scaling))
+        return backends.reference_quantize(x, fmt_name, scaling, amax)
+
+    def matmul(lhs, rhs):
+        seen.append(("matmul", type(lhs).__name__, type(rhs).__name__))
+        return backends.reference_matmul(lhs, rhs)
+
+    registered(backends.Backend("plain", lambda: (True, "test"), quantize, matmul))
+    x, w = _x((8, 64), seed=2), _x((64, 32), seed=3)
+    y = quant.qdot(x, w, PRESETS["w4a8"], backend="plain")
+    assert seen == [("quantize", "mxfp8", "tensor"), ("quantize", "nvfp4", "tensor"),
+                    ("matmul", "MXFP8Tensor", "NVFP4Tensor")]
+    ref = quant.qdot(x, w, PRESETS["w4a8"])
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    seen.clear()
+    we, gs = _x((2, 64, 32), seed=4), jnp.asarray([3, 5], jnp.int32)
+    y = quant.qragged_dot(x, we, gs, PRESETS["w4a4"], backend="plain")
+    assert [s[0] for s in seen] == ["quantize", "quantize"]  # per-expert weights: one vmapped call
+    ref = quant.qragged_dot(x, we, gs, PRESETS["w4a4"])
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+def test_unsupported_operations_raise_with_their_reason(registered):
+    registered(backends.Backend("dense_only", lambda: (True, "test"), backends.reference_quantize,
+                                backends.reference_matmul, unsupported={"grouped_dot": "no grouped GEMM in this lib"}))
+    x = _x((4, 32))
+    with pytest.raises(quant.BackendUnsupportedError, match="'dense_only' does not provide grouped_dot: no grouped"):
+        quant.qragged_dot(x, _x((2, 32, 16)), jnp.asarray([2, 2], jnp.int32), PRESETS["w4a4"], backend="dense_only")
+    te = backends._REGISTRY["te"]  # the TE entry declares what it does not provide instead of stubbing it
+    assert te.dot is not None and not te.supports("quantize") and not te.supports("grouped_dot")
+    with pytest.raises(quant.BackendUnsupportedError, match="'te' does not provide quantize: TE quantizes inside"):
+        te.op("quantize")
+    with pytest.raises(ValueError, match="both provided and declared unsupported"):
+        backends.Backend("bad", lambda: (True, ""), backends.reference_quantize, unsupported={"quantize": "x"})
+
+
+def test_pallas_kernel_module_registers_itself():
+    import triage_jax.kernels
+
+    assert backends.KERNEL_BACKENDS["pallas"] == pk.__name__
+    quant.available_backends()
+    assert backends._REGISTRY["pallas"] is pk.BACKEND  # the kernel module's own entry, not one built in backends.py
+    assert "jax-triton" not in triage_jax.kernels.__doc__ and "pallas_quant" in triage_jax.kernels.__doc__
+
+
+def test_kernel_module_that_does_not_import_is_registered_unavailable(registered, monkeypatch):
+    monkeypatch.setitem(backends.KERNEL_BACKENDS, "ghost", "triage_jax.kernels.no_such_kernels")
+    ok, reason = quant.available_backends()["ghost"]
+    assert not ok and "triage_jax.kernels.no_such_kernels does not import (ModuleNotFoundError" in reason
+    with pytest.raises(quant.BackendUnavailableError, match="'ghost' is unavailable here: kernel module"):
+        quant.qdot(_x((4, 32)), _x((32, 16)), PRESETS["w4a4"], backend="ghost")
+    backends._KERNELS_LOADED.discard("triage_jax.kernels.no_such_kernels")
+
+
+def test_no_module_imports_another_modules_private_names():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    bad = []
+    for path in [*(root / "triage_jax").rglob("*.py"), *(root / "kernels").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("triage_jax", "kernels")):
+                bad += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_")]
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "tile2d"])

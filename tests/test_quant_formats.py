@@ -324,35 +324,44 @@ def test_nan_element_saturates_to_plus6_and_amax_drops_nan():
     assert np.isfinite(np.asarray(q.dequantize())).all()
 
 
-@pytest.fixture
-def debug_switch():
-    yield quant.set_debug_nonfinite
-    quant.set_debug_nonfinite(False)
-
-
-def test_debug_switch_raises_naming_layer_and_shape(debug_switch):
+def test_debug_mode_raises_naming_layer_and_shape():
     x = jnp.zeros((2, 16), F32).at[1, 3].set(jnp.nan).at[0, 0].set(jnp.inf)
-    quant.quantize_nvfp4(x)  # off: silent, spec behaviour
-    debug_switch(True)
+    quant.quantize_nvfp4(x)  # off (the default): silent, spec behaviour
     with pytest.raises(Exception, match=r"quantize_nvfp4 in layer 'layers.0.mlp'.*1 NaN and 1 Inf.*\(2, 16\)"):
-        jax.block_until_ready(jax.jit(lambda v: quant.quantize_nvfp4(v, name="layers.0.mlp").packed)(x))
-    jax.block_until_ready(quant.quantize_nvfp4(jnp.ones((2, 16))).packed)  # finite: no report
+        jax.block_until_ready(jax.jit(lambda v: quant.quantize_nvfp4(v, name="layers.0.mlp", debug=True).packed)(x))
+    jax.block_until_ready(quant.quantize_nvfp4(jnp.ones((2, 16)), debug="raise").packed)  # finite: no report
+    with pytest.raises(ValueError, match="debug_nonfinite='loud'"):
+        quant.quantize_nvfp4(x, debug="loud")
 
 
-def test_debug_switch_logs_and_env(debug_switch, caplog, monkeypatch):
+def test_debug_mode_logs():
     x = jnp.zeros((1, 32), F32).at[0, 5].set(jnp.nan)
-    debug_switch("log")
-    with caplog.at_level(logging.WARNING, logger="triage_jax.quant"):
-        jax.block_until_ready(quant.quantize_mxfp8(x).data)
+    logger = logging.getLogger("triage_jax.quant")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        jax.block_until_ready(quant.quantize_mxfp8(x, debug="log").data)
         jax.effects_barrier()
-    assert "quantize_mxfp8" in caplog.text and "(1, 32)" in caplog.text
-    quant.set_debug_nonfinite(False)
-    assert quant.debug_nonfinite_mode() is False
-    from triage_jax.quant import debug
+    finally:
+        logger.removeHandler(handler)
+    assert any("quantize_mxfp8" in m and "(1, 32)" in m for m in seen), seen
 
-    monkeypatch.setattr(debug, "_mode", None)
+
+def test_debug_env_is_read_once_when_the_policy_is_built(monkeypatch):
+    monkeypatch.delenv("TRIAGE_JAX_DEBUG_NONFINITE", raising=False)
+    before = quant.PrecisionPolicy.from_spec("w4a4")
     monkeypatch.setenv("TRIAGE_JAX_DEBUG_NONFINITE", "1")
-    assert quant.debug_nonfinite_mode() == "raise"
+    assert quant.nonfinite_mode_from_env() == "raise"
+    after = quant.PrecisionPolicy.from_spec("w4a4")
+    assert before.debug_nonfinite is False and after.debug_nonfinite == "raise"  # the built policy keeps its mode
+    assert before != after and hash(before) != hash(after)  # so they key different compiled programs
+    assert after.for_layer("layers.0.mlp.up_proj").debug_nonfinite == "raise"
+    monkeypatch.setenv("TRIAGE_JAX_DEBUG_NONFINITE", "log")
+    assert quant.PrecisionPolicy().debug_nonfinite == "log"
+    assert quant.PrecisionPolicy(debug_nonfinite=False).debug_nonfinite is False  # explicit beats the env
+    assert not hasattr(quant, "set_debug_nonfinite")  # no process-wide switch outside the jit key
 
 
 # --- bad input -----------------------------------------------------------------------------------------------
@@ -425,3 +434,64 @@ def test_fake_quant_values_equal_the_decoded_tensor(x, scaling):
     split = np.asarray(q.block_values("split")).reshape(3, 2, 2, 8)
     nat = np.asarray(q.block_values()).reshape(3, 2, 8, 2)
     np.testing.assert_array_equal(split, np.swapaxes(nat, -1, -2))
+
+
+# --- dequantize in Transformer Engine's order ------------------------------------------------------------------
+
+
+def _te_dequantize_np(q) -> np.ndarray:
+    """TE's dequantize_fp4_kernel in numpy float32: final = (float(s) * amax) * f32(1/(6*448)); out = e2m1 * final."""
+    c = np.asarray(q.codes)
+    e = np.where(c & 8, -1.0, 1.0).astype(np.float32) * fmt.E2M1_GRID[c & 7]
+    s = np.asarray(q.scale.astype(F32), np.float32)  # the E4M3 block scale decoded by XLA's cast
+    amax = np.asarray(q.amax, np.float32)
+    if q.scaling != "row":
+        amax = amax.reshape(amax.shape + (1,) * (s.ndim - amax.ndim))
+    factor_inv = np.float32(1.0 / (6.0 * 448.0))
+    final = (s * amax) * factor_inv
+    return (e.reshape(*s.shape, 16) * final[..., None]).reshape(e.shape)
+
+
+def _old_order_np(q) -> np.ndarray:
+    """The order this project used before: (e2m1 * s) * (amax / 2688)."""
+    c = np.asarray(q.codes)
+    e = np.where(c & 8, -1.0, 1.0).astype(np.float32) * fmt.E2M1_GRID[c & 7]
+    s = np.asarray(q.scale.astype(F32), np.float32)
+    amax = np.asarray(q.amax, np.float32)
+    if q.scaling != "row":
+        amax = amax.reshape(amax.shape + (1,) * (s.ndim - amax.ndim))
+    g = amax / np.float32(2688.0)
+    return ((e.reshape(*s.shape, 16) * s[..., None]) * g[..., None]).reshape(e.shape)
+
+
+def _u32(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, np.float32)).view(np.uint32)
+
+
+@pytest.mark.parametrize("case", ["tensor", "row", "explicit_amax", "per_expert", "weight"])
+def test_nvfp4_dequantize_is_te_order_bit_exact(case):
+    x = jnp.asarray(_wide_range_matrix(11, (48, 128)) * np.float32(3.7))
+    if case == "per_expert":
+        q = jax.vmap(quant.quantize_nvfp4)(x.reshape(3, 16, 128))  # amax [3], one per matrix
+    elif case == "weight":
+        q = quant.prequantize(x.T, quant.PRESETS["w4a16"]).q  # the sampler's pre-quantized weight
+    elif case == "explicit_amax":
+        q = quant.quantize_nvfp4(x, amax=float(jnp.max(jnp.abs(x))) * 1.37)
+    else:
+        q = quant.quantize_nvfp4(x, scaling=case)
+    te, old = _te_dequantize_np(q), _old_order_np(q)
+    assert np.mean(_u32(te) != _u32(old)) > 0.005  # the two orders differ by an ulp on real inputs
+    np.testing.assert_array_equal(_u32(q.dequantize()), _u32(te))  # eager
+    np.testing.assert_array_equal(_u32(jax.jit(lambda t: t.dequantize())(q)), _u32(te))  # fused under jit
+    np.testing.assert_array_equal(np.asarray(q.dequantize(jnp.bfloat16)), te.astype(jnp.bfloat16))
+
+
+def test_quantized_weight_dequantize_follows_te_order():
+    w = jnp.asarray(_wide_range_matrix(12, (64, 32)))  # w[K, N]
+    qw = quant.prequantize(w, quant.PRESETS["w4a16"])
+    np.testing.assert_array_equal(_u32(qw.dequantize()), _u32(_te_dequantize_np(qw.q).T))
+
+
+def test_nvfp4_dequantize_zero_amax_gives_zero_like_te():
+    q = quant.quantize_nvfp4(jnp.ones((1, 16), F32), amax=0.0)  # TE: final = s * 0 * f = 0
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), np.zeros((1, 16), np.float32))

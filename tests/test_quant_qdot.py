@@ -257,3 +257,35 @@ def test_policy_presets_and_rules():
         PrecisionPolicy.from_spec("w3a3")
     with pytest.raises(ValueError, match="grad='sr'"):
         LayerPrecision(grad="sr")
+
+
+# --- the non-finite debug mode is part of the compiled program's key ---------------------------------------------
+
+
+def test_debug_nonfinite_mode_change_reaches_the_next_jitted_call():
+    """Flipping the mode after a first call changes what the next call of the same jitted function does."""
+    x, w = _data()
+    x = x.at[3, 5].set(jnp.nan)
+    f = jax.jit(lambda x, w, policy: quant.qdot(x, w, policy.for_layer("layers.0.mlp.up_proj"), name="up"),
+                static_argnums=2)
+    off = PrecisionPolicy.from_spec("w4a4", debug_nonfinite=False)
+    jax.block_until_ready(f(x, w, off))  # off: the NaN saturates silently (spec)
+    on = PrecisionPolicy.from_spec("w4a4", debug_nonfinite="raise")
+    with pytest.raises(Exception, match=r"non-finite input to qdot in layer 'up': 1 NaN and 0 Inf.*\(24, 64\)"):
+        jax.block_until_ready(f(x, w, on))
+    jax.block_until_ready(f(x, w, off))  # and back: the first program, still silent
+
+
+def test_debug_nonfinite_checks_weight_grouped_and_gradient():
+    x, w = _data()
+    on = dataclasses.replace(PRECS["w4a4"], debug_nonfinite=True)
+    assert on.debug_nonfinite == "raise"
+    with pytest.raises(Exception, match=r"qdot \(weight\) in layer 'mlp'.*\(64, 32\)"):
+        jax.block_until_ready(jax.jit(lambda a, b: quant.qdot(a, b, on, name="mlp"))(x, w.at[0, 0].set(jnp.inf)))
+    xm, we, gs = _moe()
+    with pytest.raises(Exception, match="non-finite input to qragged_dot in layer 'experts'"):
+        jax.block_until_ready(quant.qragged_dot(xm.at[0, 0].set(jnp.nan), we, gs, on, name="experts"))
+    nv = dataclasses.replace(on, grad="nvfp4")
+    grad = jax.jit(jax.grad(lambda a, b: jnp.sum(quant.qdot(a, b, nv, name="mlp") * jnp.nan)))
+    with pytest.raises(Exception, match=r"qdot backward \(output gradient\) in layer 'mlp'"):
+        jax.block_until_ready(grad(x, w))

@@ -111,9 +111,12 @@ def test_row_chunked_expert_ffn_equals_one_call(rows):
         y, _ = m(x)
         return jnp.sum(jnp.sin(y)), y
 
-    ref = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
-    with moe_lib.row_chunking(rows):
-        got = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
+    step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    ref = step(layer, x)
+    chunked = nnx.merge(nnx.graphdef(moe_lib.MoE(cfg.replace(moe_row_chunk=rows), 0, rngs=nnx.Rngs(0))),
+                        nnx.state(layer))
+    assert chunked.row_chunk == rows
+    got = step(chunked, x)  # the same jitted function: the chunk is static, so this is a new trace
     np.testing.assert_allclose(got[0][1], ref[0][1], rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(nnx.state(got[1][0], nnx.Param)),
                     jax.tree.leaves(nnx.state(ref[1][0], nnx.Param))):
@@ -121,13 +124,40 @@ def test_row_chunked_expert_ffn_equals_one_call(rows):
     np.testing.assert_allclose(got[1][1], ref[1][1], rtol=1e-4, atol=1e-5)
 
 
+def test_row_chunk_change_reaches_the_next_jitted_call():
+    """ModelConfig.moe_row_chunk is static (part of the module's graphdef, hence of the jit key): a jitted function
+    traced once without chunking runs the chunked program when called on the chunked layer. With a per-tensor NVFP4
+    activation scale the chunks take their own scales, so the two programs give different outputs."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from triage_jax.models import get_model_config
+    from triage_jax.models import moe as moe_lib
+    from triage_jax.quant import PrecisionPolicy
+
+    cfg = get_model_config("tiny_moe", hidden_size=32, moe_intermediate_size=16, num_experts=6,
+                           num_experts_per_tok=2, initializer_range=0.2)
+    policy = PrecisionPolicy.from_spec("w4a4", debug_nonfinite=False)
+    layer = moe_lib.MoE(cfg, 0, rngs=nnx.Rngs(4))
+    x = jax.random.normal(jax.random.key(5), (3, 9, 32)) * jnp.exp(jax.random.normal(jax.random.key(6), (3, 9, 1)))
+    f = nnx.jit(lambda m, x: m(x, policy)[0])
+    y_one = np.asarray(f(layer, x))
+    chunked = nnx.merge(nnx.graphdef(moe_lib.MoE(cfg.replace(moe_row_chunk=7), 0, rngs=nnx.Rngs(0))),
+                        nnx.state(layer))
+    y_chunked = np.asarray(f(chunked, x))
+    np.testing.assert_allclose(y_one, np.asarray(layer(x, policy)[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y_chunked, np.asarray(chunked(x, policy)[0]), rtol=1e-6, atol=1e-6)
+    assert np.max(np.abs(y_chunked - y_one)) > 1e-3 * np.max(np.abs(y_one))
+    np.testing.assert_array_equal(np.asarray(f(layer, x)), y_one)  # and back
+
+
 LEARNER_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from triage_jax import models
+    from triage_jax import build, models
     from triage_jax.config import base_config
-    from triage_jax.learner import Learner, prepare_batch
 
     mesh = json.loads(sys.argv[1])
     c = base_config()
@@ -136,7 +166,7 @@ LEARNER_SCRIPT = textwrap.dedent("""
         c.mesh[k] = v
     c.optim.warmup_steps = 1
     mc = models.get_model_config("tiny_moe", vocab_size=128, num_hidden_layers=2, num_experts=8)
-    learner = Learner(models.Qwen3(mc, rngs=nnx.Rngs(0)), c)
+    learner = build.learner(c, models.Qwen3(mc, rngs=nnx.Rngs(0)))
     from triage_jax import sharding as shd
     from triage_jax.models import moe
     with shd.activate(learner.mesh, learner.rules):  # what the Learner traces under
@@ -148,10 +178,9 @@ LEARNER_SCRIPT = textwrap.dedent("""
     resp = np.ones((n, r), np.float32); resp[::3, 4:] = 0
     adv = rng.normal(size=n).astype(np.float32)
     old, _ = learner.logprobs(ids, attn, r)
-    batch, _, _ = prepare_batch(c, input_ids=jnp.asarray(ids), attn_mask=jnp.asarray(attn),
-        resp_mask=jnp.asarray(resp), adv=jnp.asarray(adv), sampler_logp=old, old_logp=old,
-        ref_logp=jnp.zeros_like(old))
-    out = learner.update(batch, 0)
+    batch, _, _ = learner.prepare(input_ids=ids, attn_mask=attn, resp_mask=resp, adv=adv, sampler_logp=old,
+                                  old_logp=old, ref_logp=jnp.zeros_like(old))
+    out = learner.update(batch)
     new, _ = learner.logprobs(ids, attn, r)
     print("RESULT", json.dumps({"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
                                 "aux": float(out["moe_aux_loss"]), "old": np.asarray(old).tolist(),

@@ -49,6 +49,8 @@ class ModelConfig:
     remat: str = "none"  # none | full | save_dots (per decoder layer)
     scan_layers: bool = False
     attn_chunk: int = 0  # > 0: flash-style chunked attention (q chunks of this size) for sequences longer than it
+    # > 0: the MoE expert FFN runs over this many sorted assignment rows at a time (bounded memory; models/moe.py)
+    moe_row_chunk: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -98,6 +100,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{key}={getattr(self, key)!r}; expected one of {DTYPES}")
         if self.attn_chunk < 0:
             raise ValueError(f"ModelConfig.attn_chunk={self.attn_chunk}; expected 0 (off) or a chunk size > 0")
+        if not isinstance(self.moe_row_chunk, int) or isinstance(self.moe_row_chunk, bool) or self.moe_row_chunk < 0:
+            raise ValueError(f"ModelConfig.moe_row_chunk={self.moe_row_chunk!r}; expected 0 (off) or a row count > 0")
         if self.remat not in REMAT_MODES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_MODES}")
         if self.scan_layers and len({self.is_moe_layer(i) for i in range(self.num_hidden_layers)}) > 1:

@@ -6,6 +6,10 @@ the grouped compute runs under `shard_map`: each device holds E / n_expert exper
 expert group are all-gathered over the `expert` axis, each device runs its local experts on the assignments that
 chose them (dropless), and the partial outputs are reduce-scattered back to the tokens' owners. The router and its
 statistics stay in global (GSPMD) form, so routing and the aux loss are those of the single-device model.
+
+Row chunking: `ModelConfig.moe_row_chunk` > 0 runs the expert FFN over that many sorted assignment rows at a time
+(`chunked_expert_ffn`). It is a plain int attribute of each MoE module, so it is static: part of the module's
+graph definition and of every jit cache key over the model.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ def sort_by_expert(experts_tk: jax.Array, num_experts: int):
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.row_chunk = cfg.moe_row_chunk  # static: rows per grouped-GEMM call, 0: all at once
         self.router = Linear(
             (cfg.hidden_size,), (cfg.num_experts,), (EMBED, EXPERT), f"layers.{layer}.moe.router",
             dtype=cfg.dtype, param_dtype=cfg.param_dtype, std=cfg.initializer_range, rngs=rngs,
@@ -139,42 +144,22 @@ class MoE(nnx.Module):
         mesh = expert_mesh(self.num_experts)
         if mesh is not None:
             y_td = expert_parallel_combine(x_td, weights_tk, experts_tk, self.experts.weights(), policy,
-                                           self.experts.paths, mesh)
+                                           self.experts.paths, mesh, row_chunk=self.row_chunk)
         else:
             y_td = combine_experts(x_td, weights_tk, experts_tk, self.experts.weights(), policy, self.experts.paths,
-                                   self.num_experts).astype(x_btd.dtype)
+                                   self.num_experts, row_chunk=self.row_chunk).astype(x_btd.dtype)
         mask_t = jnp.ones((b * t,), bool) if mask_bt is None else mask_bt.reshape(-1).astype(bool)
         return y_td.reshape(b, t, d), router_stats(probs_te, experts_tk, mask_t)
 
 
-_ROW_CHUNK = [0]  # rows per grouped-GEMM call; 0: all at once (set with `row_chunking`)
-
-
-class row_chunking:
-    """Context manager: within it the expert FFN runs over the sorted assignment rows `rows` at a time.
+def chunked_expert_ffn(x_md, group_sizes_e, weights, policy, paths, rows: int) -> jax.Array:
+    """`expert_ffn` over blocks of `rows` sorted rows (rematerialized in the backward pass); the groups a block
+    cuts are clipped to it, so the result equals one call (rows past the groups stay zero).
 
     A backend that expands ragged_dot densely (XLA on CPU) holds [E, rows, F] per call, so this bounds the MoE
     temporaries at long sequences (the memory dry-run's --moe_chunk). Exact for unquantized and per-row-scaled
     activations; a per-tensor activation scale (NVFP4's global scale) is then taken per chunk.
     """
-
-    def __init__(self, rows: int):
-        if rows < 0:
-            raise ValueError(f"row_chunking: rows={rows} must be >= 0")
-        self.rows, self._old = rows, None
-
-    def __enter__(self):
-        self._old, _ROW_CHUNK[0] = _ROW_CHUNK[0], self.rows
-        return self
-
-    def __exit__(self, *exc):
-        _ROW_CHUNK[0] = self._old
-        return False
-
-
-def chunked_expert_ffn(x_md, group_sizes_e, weights, policy, paths, rows: int) -> jax.Array:
-    """`expert_ffn` over blocks of `rows` sorted rows (rematerialized in the backward pass); the groups a block
-    cuts are clipped to it, so the result equals one call (rows past the groups stay zero)."""
     m = x_md.shape[0]
     if rows <= 0 or m <= rows:
         return expert_ffn(x_md, group_sizes_e, *weights, policy, paths)
@@ -194,9 +179,10 @@ def chunked_expert_ffn(x_md, group_sizes_e, weights, policy, paths, rows: int) -
 
 
 def combine_experts(x_td, weights_tk, experts_tk, weights, policy, paths, num_experts: int,
-                    expert_offset=0) -> jax.Array:
+                    expert_offset=0, row_chunk: int = 0) -> jax.Array:
     """sum_k w[t, k] * FFN_{e[t, k]}(x[t]) over experts [expert_offset, expert_offset + E_local) (all of them on
     one device); assignments to other experts are sorted last and fall outside every group (ragged_dot gives 0).
+    row_chunk > 0: the FFN over that many sorted rows at a time (chunked_expert_ffn; a static Python int).
     Returns the float32 sum (the caller rounds once, after any cross-device sum)."""
     t, d = x_td.shape
     top_k = experts_tk.shape[-1]
@@ -204,7 +190,7 @@ def combine_experts(x_td, weights_tk, experts_tk, weights, policy, paths, num_ex
     # Experts held elsewhere get the sentinel group E_local: sorted after every local group, outside all of them.
     local_tk = jnp.where((local_tk >= 0) & (local_tk < num_experts), local_tk, num_experts)
     order_m, token_m, group_sizes_e = sort_by_expert(local_tk, num_experts + 1)
-    y_md = chunked_expert_ffn(x_td[token_m], group_sizes_e[:num_experts], weights, policy, paths, _ROW_CHUNK[0])
+    y_md = chunked_expert_ffn(x_td[token_m], group_sizes_e[:num_experts], weights, policy, paths, row_chunk)
     w_m = weights_tk.reshape(-1)[order_m].astype(x_td.dtype)  # HF casts the routing weights to the dtype
     y_md = y_md * w_m[:, None]
     inverse_m = jnp.argsort(order_m)
@@ -227,7 +213,8 @@ def _expert_spec(leaf, num_experts: int) -> P:
     return P("expert") if getattr(leaf, "ndim", 0) >= 1 and leaf.shape[0] == num_experts else P()
 
 
-def expert_parallel_combine(x_td, weights_tk, experts_tk, weights, policy, paths, mesh) -> jax.Array:
+def expert_parallel_combine(x_td, weights_tk, experts_tk, weights, policy, paths, mesh,
+                            row_chunk: int = 0) -> jax.Array:
     """`combine_experts` with the experts split over the mesh's `expert` axis (see the module docstring).
 
     Tokens keep their batch sharding (the logical "batch" rule); the expert kernels enter with [E/ep, K, N] local
@@ -253,7 +240,7 @@ def expert_parallel_combine(x_td, weights_tk, experts_tk, weights, policy, paths
             x_td, w_tk, e_tk = (jax.lax.all_gather(a, "expert", tiled=True) for a in (x_td, w_tk, e_tk))
         offset = jax.lax.axis_index("expert") * (num_experts // ep)
         # float32 partial sums over this device's experts, summed across devices before the one rounding.
-        y_td = combine_experts(x_td, w_tk, e_tk, weights, policy, paths, num_experts // ep, offset)
+        y_td = combine_experts(x_td, w_tk, e_tk, weights, policy, paths, num_experts // ep, offset, row_chunk)
         if tokens_split:
             y_td = jax.lax.psum_scatter(y_td, "expert", scatter_dimension=0, tiled=True)
         else:

@@ -1,21 +1,31 @@
-"""Backend registry with a capability probe: who executes the quantizers and the quantized GEMM.
+"""Backend registry with a capability probe: who executes the quantizers and the quantized dots.
 
-- `xla`: the pure jax.numpy reference, everywhere.
-- `pallas`: kernels/ (quantize kernels + a fused dequantize-matmul); interpret mode on CPU, compiled on GPU.
+Every backend is a registry entry, and `qdot` / `qragged_dot` dispatch through it only (`Backend.forward`,
+`Backend.grouped_forward`); nothing outside this registry branches on a backend's name.
+
+- `xla`: the pure jax.numpy reference, everywhere (its own fused dense and grouped forwards).
+- `pallas`: kernels/pallas_quant.py (quantize kernels + a fused dequantize-matmul); interpret mode on CPU,
+  compiled on GPU. The kernel module registers itself on import; the registry imports the modules named in
+  `KERNEL_BACKENDS` on its first query, and a module that does not import is registered as unavailable with why.
 - `cudnn`: the reference quantizers + `jax.nn.scaled_matmul` (the cuDNN block-scaled GEMM behind
   `jax.nn.scaled_dot_general`), on compute capability >= 10.0 only. The project's quantizers feed it because
   `scaled_dot_general`'s own quantizer divides and makes zero blocks NaN (numerics.md); only the GEMM differs.
-- `te`: Transformer Engine JAX (`te.dense` under `te.autocast`), when it imports on a supporting GPU.
+  Its grouped dot is the composed one (its quantizers, the reference grouped GEMM).
+- `te`: Transformer Engine JAX (`te.dense` under `te.autocast`, TE quantizing inside its GEMM), when
+  `transformer_engine.jax` imports on a supporting GPU. It provides the dense dot only: its quantizers, a bare
+  matmul over our tensors and the grouped dot are declared unsupported with the reason.
 
 `available_backends()` reports {name: (ok, reason)}; `resolve_backend("auto")` picks the best available; asking
-for an unavailable backend raises with the probe's reason (never a silent substitution).
+for an unavailable backend raises BackendUnavailableError with the probe's reason, and asking an available backend
+for an operation it does not provide raises BackendUnsupportedError with its reason (never a silent substitution).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+import importlib
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -25,37 +35,121 @@ from triage_jax.quant import formats as fmt
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 AUTO_ORDER = ("te", "cudnn", "pallas", "xla")
+# Backends whose implementation lives in a kernel module that registers it on import (imported on first use).
+KERNEL_BACKENDS = {"pallas": "triage_jax.kernels.pallas_quant"}
+OPS = ("quantize", "matmul", "dot", "grouped_dot")
+QUANTIZED_TYPES = (fmt.NVFP4Tensor, fmt.MXFP8Tensor, fmt.FP8Tensor)
 
 
 class BackendUnavailableError(RuntimeError):
     """A backend was asked for by name but its capability probe failed."""
 
 
+class BackendUnsupportedError(NotImplementedError):
+    """An available backend was asked for an operation it does not provide (the message says why)."""
+
+
+def is_quantized(a) -> bool:
+    """Whether `a` is a quantized tensor (NVFP4Tensor, MXFP8Tensor or FP8Tensor) rather than a raw array."""
+    return isinstance(a, QUANTIZED_TYPES)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """How one backend quantizes ([..., K] along K) and multiplies ([M, K] x [N, K]^T -> f32 [M, N])."""
+    """One backend: a capability probe and the operations it provides.
+
+    quantize: (x[..., K], fmt_name, scaling, amax=None) -> NVFP4Tensor | MXFP8Tensor | FP8Tensor, along K.
+    matmul: (lhs [M, K], rhs [N, K]) -> float32 [M, N]; each a quantized tensor or a raw array.
+    quantize_kn: optional (w[K, N], fmt_name, scaling) -> w^T quantized along K, without materializing w^T.
+    dot: optional dense forward (x [M, K], w, prec) -> float32 [M, N]; w is the raw weight [K, N] or a quantized
+        tensor [N, K] (a pre-quantized weight). Without it the forward is composed: `quantize` both operands,
+        then `matmul` (composed_dot).
+    grouped_dot: optional grouped forward (x [M, K], w, group_sizes [E], prec) -> float32 [M, N]; w raw [E, K, N]
+        or quantized [E, N, K]. Without it: `quantize` both operands, then the reference grouped GEMM
+        (composed_grouped_dot).
+    unsupported: {op: reason} for the operations in OPS this backend does not provide; asking for one raises
+        BackendUnsupportedError with the reason (and a composed forward that needs it does too).
+    accelerated: whether "auto" may pick it here.
+    """
 
     name: str
     probe: Callable[[], tuple[bool, str]]
-    quantize: Callable  # (x, fmt_name, scaling, amax=None) -> NVFP4Tensor | MXFP8Tensor | FP8Tensor
-    matmul: Callable  # (lhs, rhs) -> float32 [M, N]; each a quantized tensor or a raw array
-    accelerated: Callable[[], bool] = lambda: True  # whether "auto" may pick it here
-    # (w[..., K, N], fmt_name, scaling) -> w^T quantized along K, without materializing the transpose (optional)
+    quantize: Callable | None = None
+    matmul: Callable | None = None
+    accelerated: Callable[[], bool] = lambda: True
     quantize_kn: Callable | None = None
+    dot: Callable | None = None
+    grouped_dot: Callable | None = None
+    unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for op in self.unsupported:
+            if op not in OPS:
+                raise ValueError(f"Backend {self.name!r}: unsupported op {op!r}; expected one of {OPS}")
+            if getattr(self, op) is not None:
+                raise ValueError(f"Backend {self.name!r}: {op} is both provided and declared unsupported")
+
+    def supports(self, op: str) -> bool:
+        return op not in self.unsupported and (getattr(self, op) is not None or op in ("dot", "grouped_dot"))
+
+    def op(self, name: str) -> Callable:
+        """The operation `name` ("quantize" or "matmul"), or BackendUnsupportedError saying why it is missing."""
+        fn = getattr(self, name)
+        if fn is None or name in self.unsupported:
+            why = self.unsupported.get(name, "not provided")
+            raise BackendUnsupportedError(f"backend {self.name!r} does not provide {name}: {why}")
+        return fn
 
     def quantize_weight(self, w_kn: jax.Array, fmt_name: str, scaling: str = "tensor"):
         """w[K, N] (one matrix) quantized along K, returned in [N, K] layout."""
         if self.quantize_kn is not None:
             return self.quantize_kn(w_kn, fmt_name, scaling)
-        return self.quantize(jnp.swapaxes(w_kn, -1, -2), fmt_name, scaling)
+        return self.op("quantize")(jnp.swapaxes(w_kn, -1, -2), fmt_name, scaling)
+
+    def forward(self, x_mk: jax.Array, w, prec) -> jax.Array:
+        """The dense quantized dot's forward, float32 [M, N] (w raw [K, N] or quantized [N, K])."""
+        if self.dot is not None:
+            return self.dot(x_mk, w, prec)
+        if "dot" in self.unsupported:
+            self.op("dot")
+        return composed_dot(self, x_mk, w, prec)
+
+    def grouped_forward(self, x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Array:
+        """The grouped quantized dot's forward, float32 [M, N] (w raw [E, K, N] or quantized [E, N, K])."""
+        if self.grouped_dot is not None:
+            return self.grouped_dot(x_mk, w, group_sizes_e, prec)
+        if "grouped_dot" in self.unsupported:
+            self.op("grouped_dot")
+        return composed_grouped_dot(self, x_mk, w, group_sizes_e, prec)
 
 
 _REGISTRY: dict[str, Backend] = {}
+_KERNELS_LOADED: set[str] = set()
 
 
 def register_backend(backend: Backend) -> None:
+    """Add or replace a backend (kernel modules call this on import)."""
     _REGISTRY[backend.name] = backend
     _probe.cache_clear()
+
+
+def _unimportable(name: str, module: str, err: Exception) -> Backend:
+    reason = f"kernel module {module} does not import ({type(err).__name__}: {err})"
+    return Backend(name, lambda: (False, reason), unsupported={op: reason for op in OPS})
+
+
+def load_kernel_backends() -> None:
+    """Import the kernel modules of KERNEL_BACKENDS once each; each registers its backend on import."""
+    for name, module in KERNEL_BACKENDS.items():
+        if module in _KERNELS_LOADED:
+            continue
+        _KERNELS_LOADED.add(module)
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # an honest entry saying why, instead of a missing one
+            register_backend(_unimportable(name, module, e))
+        if name not in _REGISTRY:
+            register_backend(_unimportable(name, module, RuntimeError("it registered no backend")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,11 +162,13 @@ def _probe(name: str) -> tuple[bool, str]:
 
 def available_backends() -> dict[str, tuple[bool, str]]:
     """{name: (ok, reason)} for every registered backend (probed once per process)."""
+    load_kernel_backends()
     return {name: _probe(name) for name in _REGISTRY}
 
 
 def resolve_backend(name: str = "auto") -> str:
     """The backend name to use: `name` if it is available, else an error naming the reason; "auto" picks the best."""
+    load_kernel_backends()
     if name == "auto":
         for cand in AUTO_ORDER:
             if cand in _REGISTRY and _probe(cand)[0] and _REGISTRY[cand].accelerated():
@@ -88,6 +184,47 @@ def resolve_backend(name: str = "auto") -> str:
 
 def get_backend(name: str = "auto") -> Backend:
     return _REGISTRY[resolve_backend(name)]
+
+
+# --- the composed forwards (any backend's quantizers and matmul) -------------------------------------------------
+
+
+def quantize_operand(backend: Backend, x: jax.Array, fmt_name: str, scaling: str = "tensor"):
+    """x[..., K] quantized along K on `backend` (x itself for "none"); a 3D x is quantized per matrix (experts)."""
+    if fmt_name == "none":
+        return x
+    quant = backend.op("quantize")
+    if x.ndim == 3 and scaling != "row":  # per-expert weights: one amax / scale per matrix
+        return jax.vmap(lambda m: quant(m, fmt_name, scaling))(x)
+    return quant(x, fmt_name, scaling)
+
+
+def quantize_weight(backend: Backend, w_kn: jax.Array, fmt_name: str, scaling: str = "tensor"):
+    """A weight w[K, N] (or per expert w[E, K, N]) quantized along K on `backend`, as w^T [..., N, K]."""
+    if w_kn.ndim == 3:  # per-expert weights: one amax / scale per matrix
+        return jax.vmap(lambda m: backend.quantize_weight(m, fmt_name, scaling))(w_kn)
+    return backend.quantize_weight(w_kn, fmt_name, scaling)
+
+
+def _weight_nk(backend: Backend, w, prec):
+    """The weight operand in [..., N, K] layout: as given when quantized, else quantized (or transposed) here."""
+    if is_quantized(w):
+        return w
+    if prec.weight == "none":
+        return jnp.swapaxes(w, -1, -2)
+    return quantize_weight(backend, w, prec.weight, prec.weight_scaling)
+
+
+def composed_dot(backend: Backend, x_mk: jax.Array, w, prec) -> jax.Array:
+    """Dense forward from the backend's own quantizers and matmul."""
+    qx = quantize_operand(backend, x_mk, prec.act, prec.act_scaling)
+    return backend.op("matmul")(qx, _weight_nk(backend, w, prec))
+
+
+def composed_grouped_dot(backend: Backend, x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Array:
+    """Grouped forward from the backend's own quantizers and the reference grouped GEMM (jax.lax.ragged_dot)."""
+    qx = quantize_operand(backend, x_mk, prec.act, prec.act_scaling)
+    return reference_grouped_matmul(qx, _weight_nk(backend, w, prec), group_sizes_e)
 
 
 # --- xla: the reference ------------------------------------------------------------------------------------------
@@ -154,10 +291,37 @@ def gemm_operands(lhs, rhs):
 
 
 def reference_matmul(lhs, rhs) -> jax.Array:
-    """Exact block-scaled operands, float32 accumulation, float32 output factors (the GEMM's alpha)."""
+    """Exact block-scaled operands, float32 accumulation, float32 output factors (the GEMM's alpha).
+
+    The two NVFP4 factors amax/2688 are applied one after the other to the float32 sum; TE's cuBLAS epilogue
+    folds one alpha amax_a * amax_b * f32(1/2688^2) instead (see NVFP4Tensor.global_decode_scale).
+    """
     a, fa, b, fb = gemm_operands(lhs, rhs)  # b: the weight decoded in its K-major layout
     y = jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
     return y * fa * jnp.reshape(fb, (1, -1)) if jnp.ndim(fb) else y * fa * fb
+
+
+def row_groups(group_sizes_e: jax.Array, m: int) -> jax.Array:
+    """The group (expert) index of each of the m rows of a grouped dot, int [M].
+
+    Rows past sum(group_sizes) get the last group; ragged_dot gives them 0, so any factor of theirs is harmless.
+    """
+    e = group_sizes_e.shape[0]
+    return jnp.repeat(jnp.arange(e), group_sizes_e, total_repeat_length=m)
+
+
+def per_row_factor(factor: jax.Array, rows_e: jax.Array) -> jax.Array:
+    """A per-group output factor [E] (or a scalar, returned as is) as a per-row factor [M, 1], rows_e from row_groups."""
+    return factor[rows_e][:, None] if jnp.ndim(factor) else factor
+
+
+def reference_grouped_matmul(lhs, rhs, group_sizes_e: jax.Array) -> jax.Array:
+    """The grouped reference GEMM: lhs [M, K] (rows sorted by group), rhs [E, N, K] per group (quantized or raw)
+    -> float32 [M, N]; exact block-scaled operands, jax.lax.ragged_dot with float32 accumulation, then the
+    per-row lhs factor and each row's group factor."""
+    a, fa, b, fb = gemm_operands(lhs, rhs)  # b [E, K, N], fb [E] or scalar
+    y = jax.lax.ragged_dot(a, b, group_sizes_e, preferred_element_type=F32)
+    return y * fa * per_row_factor(fb, row_groups(group_sizes_e, lhs.shape[0]))
 
 
 def fake_quant(x: jax.Array, fmt_name: str, scaling: str = "tensor") -> tuple[jax.Array, jax.Array]:
@@ -199,44 +363,41 @@ def reference_quantize_kn(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor
     raise ValueError(f"unknown format {fmt_name!r}; expected 'nvfp4', 'mxfp8' or 'fp8'")
 
 
+def _reference_forward(x_mk: jax.Array, w, prec, gs: jax.Array | None = None) -> jax.Array:
+    """The xla backend's forward, dense or grouped: operands quantized on the fly as exact values (one fused pass
+    each, nothing packed), or a pre-quantized weight decoded; float32 accumulation; float32 output factors."""
+    xv, fx = fake_quant(x_mk, prec.act, prec.act_scaling)
+    if is_quantized(w):
+        wv, fw = split_scaled(w)  # [(E,) N, K]: contract its last axis (a transposed copy costs ~2x the dot)
+        k_axis = wv.ndim - 1
+    else:
+        wv, fw = fake_quant_kn(w, prec.weight, prec.weight_scaling)  # [(E,) K, N]
+        k_axis = wv.ndim - 2
+    cdt = jnp.promote_types(xv.dtype, wv.dtype)
+    xv, wv = xv.astype(cdt), wv.astype(cdt)
+    if gs is None:
+        y = jax.lax.dot_general(xv, wv, (((1,), (k_axis,)), ((), ())), preferred_element_type=F32)
+        return y * fx * fw
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (k_axis,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,)
+    )
+    y = jax.lax.ragged_dot_general(xv, wv, gs, dims, preferred_element_type=F32)
+    return y * fx * per_row_factor(fw, row_groups(gs, x_mk.shape[0]))
+
+
+def reference_dot(x_mk: jax.Array, w, prec) -> jax.Array:
+    """The xla backend's dense forward (see _reference_forward)."""
+    return _reference_forward(x_mk, w, prec)
+
+
+def reference_grouped_dot(x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Array:
+    """The xla backend's grouped forward (see _reference_forward)."""
+    return _reference_forward(x_mk, w, prec, group_sizes_e)
+
+
 register_backend(
     Backend("xla", lambda: (True, "pure jax.numpy reference"), reference_quantize, reference_matmul,
-            quantize_kn=reference_quantize_kn)
-)
-
-
-# --- pallas ------------------------------------------------------------------------------------------------------
-
-
-def _pallas_probe() -> tuple[bool, str]:
-    from triage_jax.kernels import pallas_quant as pk
-
-    x = jnp.linspace(-3.0, 3.0, 8 * 64, dtype=F32).reshape(8, 64)
-    a, b = fmt.quantize_nvfp4(x), pk.quantize_nvfp4(x)
-    if not bool(jnp.array_equal(a.packed, b.packed)):
-        return False, "the Pallas NVFP4 kernel disagrees with the reference on the probe tensor"
-    mode = "interpret mode (slow; for checks)" if pk.default_interpret() else "compiled"
-    return True, f"Pallas on {jax.default_backend()}, {mode}"
-
-
-def _pallas_quantize(x, fmt_name, scaling="tensor", amax=None):
-    from triage_jax.kernels import pallas_quant as pk
-
-    if fmt_name == "nvfp4":
-        return pk.quantize_nvfp4(x, scaling=scaling, amax=amax)
-    if fmt_name == "mxfp8":
-        return pk.quantize_mxfp8(x)
-    return reference_quantize(x, fmt_name, scaling, amax)  # FP8 per-tensor is one multiply: no kernel
-
-
-def _pallas_matmul(lhs, rhs):
-    from triage_jax.kernels import pallas_quant as pk
-
-    return pk.dequant_matmul(lhs, rhs)
-
-
-register_backend(
-    Backend("pallas", _pallas_probe, _pallas_quantize, _pallas_matmul, accelerated=lambda: jax.default_backend() == "gpu")
+            quantize_kn=reference_quantize_kn, dot=reference_dot, grouped_dot=reference_grouped_dot)
 )
 
 
@@ -269,7 +430,7 @@ def _cudnn_probe() -> tuple[bool, str]:
 def _cudnn_matmul(lhs, rhs):
     kinds = (type(lhs).__name__, type(rhs).__name__)
     if kinds not in (("NVFP4Tensor", "NVFP4Tensor"), ("MXFP8Tensor", "MXFP8Tensor")):
-        raise NotImplementedError(
+        raise BackendUnsupportedError(
             f"cudnn backend: jax.nn.scaled_matmul multiplies two NVFP4 or two MXFP8 operands; got {kinds}"
         )
     y = jax.nn.scaled_matmul(
@@ -316,8 +477,18 @@ def te_dense(x_mk: jax.Array, w_kn: jax.Array, weight_fmt: str, act_fmt: str, we
         return dense(x_mk, w_kn, contracting_dims=((1,), (0,))).astype(F32)
 
 
-def _te_unsupported(*_a, **_k):
-    raise NotImplementedError("te backend: TE quantizes inside te_dense; its quantizers are not exposed separately")
+def _te_dot(x_mk: jax.Array, w, prec) -> jax.Array:
+    if is_quantized(w):
+        raise BackendUnsupportedError(
+            "backend 'te' quantizes inside its GEMM: pass the raw weight, not a QuantizedWeight"
+        )
+    return te_dense(x_mk, w, prec.weight, prec.act, prec.weight_scaling)
 
 
-register_backend(Backend("te", _te_probe, _te_unsupported, _te_unsupported))
+_TE_INSIDE = "TE quantizes inside te.dense; its quantizers and GEMM are not exposed over this project's tensors"
+register_backend(
+    Backend("te", _te_probe, dot=_te_dot, unsupported={
+        "quantize": _TE_INSIDE, "matmul": _TE_INSIDE,
+        "grouped_dot": "the te backend has no grouped (per-expert) GEMM here; use 'xla' or 'pallas'",
+    })
+)

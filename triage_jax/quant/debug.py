@@ -1,9 +1,16 @@
-"""Debug switch that reports non-finite quantizer inputs instead of letting the spec's saturation hide them.
+"""Debug check that reports non-finite quantizer inputs instead of letting the spec's saturation hide them.
 
 The spec (numerics.md) makes a NaN element quantize to +6 and drops NaN from amax, like TE. That keeps runs going
-but hides bugs, so `set_debug_nonfinite(True)` (or env TRIAGE_JAX_DEBUG_NONFINITE=1) makes every quantizer and
-quantized dot traced afterwards count NaN/Inf in its input at run time and raise (default) or log a message naming
-the op, the layer and the shape. The switch is read at trace time: re-jit after changing it.
+but hides bugs, so a debug mode ("raise": raise FloatingPointError; "log": log a warning) makes a quantizer or
+quantized dot count NaN/Inf in its input at run time and report them naming the op, the layer and the shape.
+
+The mode is never module state: it is an explicit value that becomes part of the compiled program's key.
+- Quantized dots read `LayerPrecision.debug_nonfinite`; `PrecisionPolicy.debug_nonfinite` sets it for every layer.
+  Both are fields of the hashable static arguments of the jitted functions, so a program traced under one mode is
+  never reused under another.
+- The quantizers (formats.quantize_nvfp4, ...) take it as their `debug=` argument.
+- The environment variable TRIAGE_JAX_DEBUG_NONFINITE=1|raise|log is read once, when a PrecisionPolicy is built
+  without an explicit mode (`nonfinite_mode_from_env`).
 """
 
 from __future__ import annotations
@@ -16,33 +23,32 @@ import jax.numpy as jnp
 
 logger = logging.getLogger("triage_jax.quant")
 
-_MODES = (False, "raise", "log")
-_mode: str | bool | None = None  # None: not set in code, fall back to the environment variable
+NONFINITE_MODES = (False, "raise", "log")
+NONFINITE_ENV = "TRIAGE_JAX_DEBUG_NONFINITE"
 
 
-def set_debug_nonfinite(mode: bool | str = True) -> None:
-    """Turn the non-finite check on (True or "raise": raise FloatingPointError; "log": log a warning) or off."""
-    global _mode
+def check_nonfinite_mode(mode: bool | str, what: str = "debug_nonfinite") -> bool | str:
+    """The canonical mode (False, "raise" or "log") of `mode`; True means "raise". Anything else is an error."""
     if mode is True:
-        mode = "raise"
-    if mode not in _MODES:
-        raise ValueError(f"set_debug_nonfinite: mode {mode!r}; expected True, False, 'raise' or 'log'")
-    _mode = mode
+        return "raise"
+    if mode is False or mode is None:
+        return False
+    if mode not in NONFINITE_MODES:
+        raise ValueError(f"{what}={mode!r}; expected True, False, 'raise' or 'log'")
+    return mode
 
 
-def debug_nonfinite_mode() -> str | bool:
-    """The active mode: False, "raise" or "log" (env TRIAGE_JAX_DEBUG_NONFINITE=1|raise|log when not set in code)."""
-    if _mode is not None:
-        return _mode
-    env = os.environ.get("TRIAGE_JAX_DEBUG_NONFINITE", "").strip().lower()
+def nonfinite_mode_from_env() -> bool | str:
+    """The mode env TRIAGE_JAX_DEBUG_NONFINITE asks for: unset/0/false/off -> False, "log" -> "log", else "raise"."""
+    env = os.environ.get(NONFINITE_ENV, "").strip().lower()
     if env in ("", "0", "false", "off"):
         return False
     return "log" if env == "log" else "raise"
 
 
-def report_nonfinite(x: jax.Array, op: str, name: str = "") -> None:
-    """If the switch is on, check x at run time and report NaN/Inf counts naming op, layer and shape."""
-    mode = debug_nonfinite_mode()
+def report_nonfinite(x: jax.Array, op: str, name: str = "", mode: bool | str = False) -> None:
+    """If `mode` is on, check x at run time and report NaN/Inf counts naming op, layer and shape."""
+    mode = check_nonfinite_mode(mode)
     if not mode:
         return
     where = f"{op}" + (f" in layer {name!r}" if name else "")

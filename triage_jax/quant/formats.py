@@ -2,7 +2,8 @@
 
 Every other backend is checked against these functions. All arithmetic is float32 and in the spec's order: a
 different order (dividing instead of multiplying by a reciprocal, `(a/6)*S` instead of `a*(S/6)`) changes the
-rounding of real inputs.
+rounding of real inputs. `NVFP4Tensor.dequantize` follows TE's dequantize kernel in the same way: per block
+`final = (float(s) * amax) * f32(1/2688)`, then `e2m1 * final`.
 
 Speed note: XLA:CPU writes 4-bit arrays (float4_e2m1fn, uint4) about 10x slower than a memory copy, so the E2M1
 rounding is done in float32 arithmetic (power-of-two steps and a round-half-even, bit-identical to the cast) and
@@ -28,6 +29,8 @@ NVFP4_BLOCK = 16
 MXFP8_BLOCK = 32
 # 2688 = 448 * 6: the largest product of an E4M3 block scale and an E2M1 element.
 NVFP4_RANGE = E4M3_MAX * E2M1_MAX
+# TE's dequantize constant `factor_inv = 1.0 / (6.0 * 448.0)`: 1/2688 rounded to float32 once.
+NVFP4_DECODE_FACTOR = np.float32(1.0 / NVFP4_RANGE)
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 Scaling = Literal["tensor", "row", "tile2d"]
@@ -196,7 +199,14 @@ class NVFP4Tensor:
         return codes_to_fp4(self.codes)
 
     def global_decode_scale(self) -> jax.Array:
-        """amax / 2688 (1 where amax == 0): the float32 factor the GEMM applies to its output."""
+        """amax / 2688 (1 where amax == 0): the float32 factor the GEMM paths apply to their output.
+
+        This is the quantized dot's alpha, not the dequantize: the reference GEMM (backends.reference_matmul, the
+        fused xla path, the Pallas and cuDNN matmuls) computes `dot(e2m1*s, e2m1*s) * (amax_a/2688) * (amax_b/2688)`
+        after float32 accumulation, whereas TE's cuBLAS epilogue folds one alpha `amax_a * amax_b * f32(1/2688^2)`.
+        The two differ by float32 rounding of the factor (a few ulp of the output), like any change of the
+        accumulation order; `dequantize` below is TE's dequantize kernel bit for bit.
+        """
         return jnp.where(self.amax == 0, jnp.float32(1.0), self.amax.astype(F32) / jnp.float32(NVFP4_RANGE))
 
     def decoded_scale(self) -> jax.Array:
@@ -233,16 +243,21 @@ class NVFP4Tensor:
         v = jnp.stack([lo, hi], axis=-3 if order == "split" else -2)
         return v.reshape(*lead, half * 2, n)
 
+    def block_decode_factor(self) -> jax.Array:
+        """TE's per-block dequantize factor [..., K/16]: (float(s) * amax) * f32(1/(6*448)), float32, in that order.
+
+        As in TE's kernel (dequantize_nvfp4.cuh) there is no special case for amax == 0: the factor is then 0.
+        """
+        s = self.decoded_scale()  # [..., K/16]
+        amax = self.amax.astype(F32)
+        if self.scaling != "row":  # "row": amax [..., 1] broadcasts over the row's blocks
+            amax = _bcast_factor(amax, s.ndim)  # scalar, or [E] under vmap -> [E, 1, 1]
+        return (s * amax) * jnp.float32(NVFP4_DECODE_FACTOR)
+
     def dequantize(self, dtype=F32) -> jax.Array:
-        """e2m1(q) * float(s) * (amax / 2688), left to right."""
-        q = _blocks(self.block_values(), NVFP4_BLOCK)
-        g = self.global_decode_scale()
-        if self.scaling == "row":
-            g = g[..., 0]  # [..., 1] -> [...]: one factor per row
-            g = g.reshape(g.shape + (1, 1))
-        else:
-            g = _bcast_factor(g, q.ndim)
-        return (q * g).reshape(self.shape).astype(dtype)
+        """TE's dequantize, bit for bit: e2m1(q) * block_decode_factor() in float32, then cast to dtype."""
+        e = _blocks(e2m1_decode(self.codes), NVFP4_BLOCK)  # [..., K/16, 16]
+        return (e * self.block_decode_factor()[..., None]).reshape(self.shape).astype(dtype)
 
 
 @struct.dataclass
@@ -356,16 +371,17 @@ def quantize_nvfp4(
     amax: jax.Array | float | None = None,
     sr_key: jax.Array | None = None,
     name: str = "",
+    debug: bool | str = False,
 ) -> NVFP4Tensor:
     """NVFP4-quantize x[..., K] along its last axis (blocks of 16), TE semantics.
 
     scaling: "tensor" (one global amax), "row" (one amax per row: token-wise) or "tile2d" (16x16 weight tiles
     share a block scale, so W and W^T quantize alike). `amax` reuses a given global amax (scalar, or [..., 1] for
-    "row"). `sr_key` switches the E2M1 cast to stochastic rounding (the gradient path). `name` labels the debug
-    non-finite report.
+    "row"). `sr_key` switches the E2M1 cast to stochastic rounding (the gradient path). `debug` ("raise" / "log"; see
+    quant/debug.py) checks x for NaN/Inf at run time; `name` labels that report.
     """
     x, amax = nvfp4_prepare(x, scaling, amax)
-    report_nonfinite(x, "quantize_nvfp4", name)
+    report_nonfinite(x, "quantize_nvfp4", name, debug)
     ba = nvfp4_block_amax(x, scaling)
     if amax is None:
         amax = amax_from_blocks(ba, scaling)
@@ -375,7 +391,7 @@ def quantize_nvfp4(
     return NVFP4Tensor(packed=packed, scale=scale, amax=amax, scaling=scaling)
 
 
-def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str = ""):
+def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str = "", debug: bool | str = False):
     """The scale stage shared by the K-major weight quantizers: blocks of 16 down the columns of w[..., K, N].
 
     Returns (w as [..., K/16, 16, N] float32, global amax, the element multiplier [..., K/16, 1, N], and the E4M3
@@ -387,7 +403,7 @@ def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str 
     if scaling == "tile2d" and w.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"{what}(scaling='tile2d'): N of shape {w.shape} is not a multiple of 16")
     w = w.astype(F32)
-    report_nonfinite(w, "quantize_nvfp4", name)
+    report_nonfinite(w, "quantize_nvfp4", name, debug)
     *lead, k, n = w.shape
     nb = k // NVFP4_BLOCK
     wb = w.reshape(*lead, nb, NVFP4_BLOCK, n)
@@ -403,13 +419,15 @@ def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str 
     return wb, amax, inv, scale_f32, code
 
 
-def quantize_nvfp4_kn(w: jax.Array, *, scaling: Scaling = "tensor", name: str = "") -> NVFP4Tensor:
+def quantize_nvfp4_kn(
+    w: jax.Array, *, scaling: Scaling = "tensor", name: str = "", debug: bool | str = False
+) -> NVFP4Tensor:
     """NVFP4 of w^T for a weight w[..., K, N] stored K-major: bit-identical to quantize_nvfp4(swapaxes(w, -1, -2)).
 
     The blocks run down the columns of w, so the float input is read in its own layout and only the small uint8
     outputs are transposed (XLA:CPU reads a transposed float input many times slower).
     """
-    wb, amax, inv, _, code = _nvfp4_kn_block_scales(w, scaling, "quantize_nvfp4_kn", name)
+    wb, amax, inv, _, code = _nvfp4_kn_block_scales(w, scaling, "quantize_nvfp4_kn", name, debug)
     scale = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
     lo = e2m1_rne_codes(wb[..., 0::2, :] * inv)
     hi = e2m1_rne_codes(wb[..., 1::2, :] * inv)
@@ -420,11 +438,11 @@ def quantize_nvfp4_kn(w: jax.Array, *, scaling: Scaling = "tensor", name: str = 
     )
 
 
-def quantize_mxfp8_kn(w: jax.Array, *, name: str = "") -> MXFP8Tensor:
+def quantize_mxfp8_kn(w: jax.Array, *, name: str = "", debug: bool | str = False) -> MXFP8Tensor:
     """MXFP8 of w^T for a weight w[..., K, N]: bit-identical to quantize_mxfp8(swapaxes(w, -1, -2))."""
     _check_input(jnp.swapaxes(w, -1, -2), MXFP8_BLOCK, "quantize_mxfp8_kn (w^T)", min_rank=2)
     w = w.astype(F32)
-    report_nonfinite(w, "quantize_mxfp8", name)
+    report_nonfinite(w, "quantize_mxfp8", name, debug)
     *lead, k, n = w.shape
     wb = w.reshape(*lead, k // MXFP8_BLOCK, MXFP8_BLOCK, n)
     amax = jnp.max(_nan_to_zero_abs(wb), axis=-2)
@@ -446,9 +464,9 @@ def nvfp4_fake_quant(
     x: jax.Array, *, scaling: Scaling = "tensor", amax: jax.Array | float | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(e2m1(q) * s as float32 [..., K], global decode factor): quantize_nvfp4(x)'s exact block values and factor,
-    computed elementwise without packing (the on-the-fly GEMM operand; packed storage is for reuse)."""
+    computed elementwise without packing (the on-the-fly GEMM operand; packed storage is for reuse). The factor is
+    the GEMM's (see NVFP4Tensor.global_decode_scale); qdot runs the debug non-finite check on its operands itself."""
     x, amax = nvfp4_prepare(x, scaling, amax, what="nvfp4_fake_quant")
-    report_nonfinite(x, "quantize_nvfp4")
     ba = nvfp4_block_amax(x, scaling)
     if amax is None:
         amax = amax_from_blocks(ba, scaling)
@@ -501,7 +519,9 @@ def mxfp8_encode_blocks(xb: jax.Array, rounding: str = "rceil") -> tuple[jax.Arr
     return q, e.astype(jnp.uint8)
 
 
-def quantize_mxfp8(x: jax.Array, *, rounding: str = "rceil", name: str = "") -> MXFP8Tensor:
+def quantize_mxfp8(
+    x: jax.Array, *, rounding: str = "rceil", name: str = "", debug: bool | str = False
+) -> MXFP8Tensor:
     """MXFP8-quantize x[..., K] along its last axis (blocks of 32, E8M0 scales, RCEIL rounding).
 
     rounding="floor" gives the OCP rule, only to compare against (it differs for amax in (448*2^k, 512*2^k)).
@@ -510,17 +530,19 @@ def quantize_mxfp8(x: jax.Array, *, rounding: str = "rceil", name: str = "") -> 
         raise ValueError(f"quantize_mxfp8: unknown rounding {rounding!r}; expected 'rceil' or 'floor'")
     _check_input(x, MXFP8_BLOCK, "quantize_mxfp8")
     x = x.astype(F32)
-    report_nonfinite(x, "quantize_mxfp8", name)
+    report_nonfinite(x, "quantize_mxfp8", name, debug)
     q, e = mxfp8_encode_blocks(_blocks(x, MXFP8_BLOCK), rounding)
     scale = jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu)
     return MXFP8Tensor(data=q.reshape(x.shape), scale=scale)
 
 
-def quantize_fp8(x: jax.Array, scale: jax.Array | float | None = None, *, name: str = "") -> FP8Tensor:
+def quantize_fp8(
+    x: jax.Array, scale: jax.Array | float | None = None, *, name: str = "", debug: bool | str = False
+) -> FP8Tensor:
     """Per-tensor E4M3 with scale = amax / 448 (or a fixed calibrated scale); used for the KV cache."""
     _check_input(x, 1, "quantize_fp8")
     x = x.astype(F32)
-    report_nonfinite(x, "quantize_fp8", name)
+    report_nonfinite(x, "quantize_fp8", name, debug)
     if scale is None:
         amax = jnp.max(_nan_to_zero_abs(x))
         scale = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(E4M3_MAX))

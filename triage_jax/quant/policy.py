@@ -11,6 +11,8 @@ import dataclasses
 import re
 from typing import Iterable
 
+from triage_jax.quant.debug import check_nonfinite_mode, nonfinite_mode_from_env
+
 FORMATS = ("none", "nvfp4", "mxfp8", "fp8")
 GRAD_MODES = ("bf16", "f32", "nvfp4")
 KV_FORMATS = ("bf16", "fp8")
@@ -18,15 +20,23 @@ KV_FORMATS = ("bf16", "fp8")
 
 @dataclasses.dataclass(frozen=True)
 class LayerPrecision:
-    """Formats of one matmul. "none" keeps the operand in the compute dtype."""
+    """Formats of one matmul. "none" keeps the operand in the compute dtype.
+
+    debug_nonfinite: False, "raise" or "log" (True means "raise"): the quantized dot checks its operands (and the
+    output gradient it quantizes) for NaN/Inf at run time (quant/debug.py). A field, so part of the jit key.
+    """
 
     weight: str = "none"
     act: str = "none"
     weight_scaling: str = "tensor"  # NVFP4 weights: "tensor" (1D blocks) or "tile2d" (16x16 tiles)
     act_scaling: str = "tensor"  # NVFP4 activations: "tensor" or "row" (token-wise)
     grad: str = "bf16"  # backward GEMMs: "bf16" / "f32" straight-through, or "nvfp4" (SR + RHT)
+    debug_nonfinite: bool | str = False
 
     def __post_init__(self):
+        object.__setattr__(
+            self, "debug_nonfinite", check_nonfinite_mode(self.debug_nonfinite, "LayerPrecision.debug_nonfinite")
+        )
         for field, value, allowed in (
             ("weight", self.weight, FORMATS),
             ("act", self.act, FORMATS),
@@ -70,6 +80,9 @@ class PrecisionPolicy:
 
     Hashable, so it can be a static argument of jitted functions. `rules` are (regex, precision) pairs; the
     first whose regex `re.search`es the module path wins, then the high-precision defaults, then `default`.
+    `debug_nonfinite` (False, "raise", "log"; quant/debug.py) applies to every layer; None (the default) reads
+    env TRIAGE_JAX_DEBUG_NONFINITE once, here, when the policy is built, so the mode is always a field of the
+    policy and part of the compiled programs' key.
     """
 
     default: LayerPrecision = HIGH
@@ -77,8 +90,11 @@ class PrecisionPolicy:
     kv_cache: str = "bf16"
     backend: str = "xla"
     keep_high_precision: tuple[str, ...] = DEFAULT_HIGH_PRECISION
+    debug_nonfinite: bool | str | None = None
 
     def __post_init__(self):
+        mode = nonfinite_mode_from_env() if self.debug_nonfinite is None else self.debug_nonfinite
+        object.__setattr__(self, "debug_nonfinite", check_nonfinite_mode(mode, "PrecisionPolicy.debug_nonfinite"))
         if self.kv_cache not in KV_FORMATS:
             raise ValueError(f"PrecisionPolicy.kv_cache={self.kv_cache!r}; expected one of {KV_FORMATS}")
         for pattern, _ in self.rules:
@@ -95,6 +111,7 @@ class PrecisionPolicy:
         kv_cache: str = "bf16",
         backend: str = "xla",
         rules: Iterable[tuple[str, LayerPrecision | str]] = (),
+        debug_nonfinite: bool | str | None = None,
     ) -> "PrecisionPolicy":
         """Build from config strings, e.g. from_spec("w4a4", act_scaling="row", kv_cache="fp8")."""
         base = _as_precision(preset)
@@ -108,10 +125,17 @@ class PrecisionPolicy:
             rules=tuple((pat, _as_precision(p)) for pat, p in rules),
             kv_cache=kv_cache,
             backend=backend,
+            debug_nonfinite=debug_nonfinite,
         )
 
     def for_layer(self, path: str) -> LayerPrecision:
-        """The precision of the matmul at module `path`."""
+        """The precision of the matmul at module `path` (carrying the policy's debug_nonfinite mode when it is on)."""
+        prec = self._match(path)
+        if self.debug_nonfinite and prec.debug_nonfinite != self.debug_nonfinite:
+            prec = dataclasses.replace(prec, debug_nonfinite=self.debug_nonfinite)
+        return prec
+
+    def _match(self, path: str) -> LayerPrecision:
         for pattern, prec in self.rules:
             if re.search(pattern, path):
                 return prec

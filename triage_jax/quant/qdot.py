@@ -1,6 +1,7 @@
 """The one quantized dot every model matmul goes through (dense and grouped per-expert), with a custom VJP.
 
-Forward: both operands in the layer's format, executed by a registered backend (backends.py). The reference keeps
+Forward: both operands in the layer's format, executed by the registered backend the name resolves to
+(backends.py: `Backend.forward` / `Backend.grouped_forward`; nothing here branches on a name). The reference keeps
 each operand as its exact block-scaled value `q * s` (exactly representable in bfloat16 for E2M1*E4M3, E4M3*E8M0
 and E4M3), accumulates in float32 and applies the float32 per-tensor (or per-row, per-expert) factors to the
 output, like the GEMM's alpha on hardware. On the xla backend an operand quantized on the fly is never packed: its
@@ -11,6 +12,9 @@ rounded to bfloat16 (or float32) with float32 accumulation. grad="nvfp4" instead
 operands to NVFP4: the output gradient with stochastic rounding, and a 16-point random Hadamard transform along
 the token axis on both wgrad operands (tokens zero-padded to a multiple of 16, per expert group for the grouped
 dot). The backward always runs on the reference (xla) ops.
+Debug: with `LayerPrecision.debug_nonfinite` on ("raise" / "log"), the activation, the raw weight and (grad="nvfp4")
+the output gradient are checked for NaN/Inf at run time (quant/debug.py); the mode is a field of the static
+precision argument, so it is part of the compiled program's key.
 """
 
 from __future__ import annotations
@@ -55,20 +59,12 @@ class QuantizedWeight:
 
 def quantize_operand(x: jax.Array, fmt_name: str, scaling: str = "tensor", backend: str = "xla"):
     """Quantize x[..., K] along its last axis in the named format (x itself for "none"); 3D = per-matrix."""
-    if fmt_name == "none":
-        return x
-    quant = be.get_backend(backend).quantize
-    if x.ndim == 3 and scaling != "row":  # per-expert weights: one amax / scale per matrix
-        return jax.vmap(lambda m: quant(m, fmt_name, scaling))(x)
-    return quant(x, fmt_name, scaling)
+    return be.quantize_operand(be.get_backend(backend), x, fmt_name, scaling)
 
 
 def quantize_weight(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor", backend: str = "xla"):
     """Quantize a weight w[K, N] (or per expert w[E, K, N]) along K, returned as w^T [..., N, K] quantized."""
-    backend_ = be.get_backend(backend)
-    if w_kn.ndim == 3:  # per-expert weights: one amax / scale per matrix
-        return jax.vmap(lambda m: backend_.quantize_weight(m, fmt_name, scaling))(w_kn)
-    return backend_.quantize_weight(w_kn, fmt_name, scaling)
+    return be.quantize_weight(be.get_backend(backend), w_kn, fmt_name, scaling)
 
 
 def prequantize(w_kn: jax.Array, prec: LayerPrecision, *, backend: str = "xla") -> jax.Array | QuantizedWeight:
@@ -78,6 +74,7 @@ def prequantize(w_kn: jax.Array, prec: LayerPrecision, *, backend: str = "xla") 
     if w_kn.ndim not in (2, 3):
         raise ValueError(f"prequantize: expected w[K, N] or w[E, K, N]; got shape {w_kn.shape}")
     _check_block(w_kn.shape[-2], prec.weight, "weight", f"w {w_kn.shape}")
+    report_nonfinite(w_kn, "prequantize", "", prec.debug_nonfinite)
     return QuantizedWeight(
         q=quantize_weight(w_kn, prec.weight, prec.weight_scaling, backend), fmt_name=prec.weight
     )
@@ -114,44 +111,19 @@ def _check_common(x, w, prec: LayerPrecision, w_rank: int, what: str) -> None:
 # --- dense -------------------------------------------------------------------------------------------------------
 
 
+def _weight_operand(w):
+    """What a backend receives as the weight: the raw [.., K, N] array, or a pre-quantized one's tensor [.., N, K]."""
+    return w.q if isinstance(w, QuantizedWeight) else w
+
+
 def _forward(x2: jax.Array, w, prec: LayerPrecision, backend: str) -> jax.Array:
-    """y[M, N] in float32 on the backend: quantize both operands ([rows, K] layout) and multiply."""
-    if backend == "te":
-        if isinstance(w, QuantizedWeight):
-            raise NotImplementedError("te backend quantizes inside its GEMM: pass the raw weight, not a QuantizedWeight")
-        return be.te_dense(x2, w, prec.weight, prec.act, prec.weight_scaling)
-    if backend == "xla":
-        return _forward_reference(x2, w, prec)
-    qx = quantize_operand(x2, prec.act, prec.act_scaling, backend)
-    if isinstance(w, QuantizedWeight):
-        qw = w.q
-    elif prec.weight == "none":
-        qw = w.T
-    else:
-        qw = quantize_weight(w, prec.weight, prec.weight_scaling, backend)
-    return be.get_backend(backend).matmul(qx, qw)
+    """y[M, N] in float32 on the backend (its own forward, or its quantizers + matmul)."""
+    return be.get_backend(backend).forward(x2, _weight_operand(w), prec)
 
 
-def _forward_reference(x_mk: jax.Array, w, prec: LayerPrecision, gs: jax.Array | None = None) -> jax.Array:
-    """The xla backend's forward, dense or grouped: operands quantized on the fly as exact values (one fused pass
-    each, nothing packed), or a pre-quantized weight decoded; float32 accumulation; float32 output factors."""
-    xv, fx = be.fake_quant(x_mk, prec.act, prec.act_scaling)
-    if isinstance(w, QuantizedWeight):
-        wv, fw = be.split_scaled(w.q)  # [(E,) N, K]: contract its last axis (a transposed copy costs ~2x the dot)
-        k_axis = wv.ndim - 1
-    else:
-        wv, fw = be.fake_quant_kn(w, prec.weight, prec.weight_scaling)  # [(E,) K, N]
-        k_axis = wv.ndim - 2
-    cdt = jnp.promote_types(xv.dtype, wv.dtype)
-    xv, wv = xv.astype(cdt), wv.astype(cdt)
-    if gs is None:
-        y = jax.lax.dot_general(xv, wv, (((1,), (k_axis,)), ((), ())), preferred_element_type=F32)
-        return y * fx * fw
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (k_axis,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,)
-    )
-    y = jax.lax.ragged_dot_general(xv, wv, gs, dims, preferred_element_type=F32)
-    return y * fx * _per_row(fw, _row_groups(gs, x_mk.shape[0]))
+def _report_grad(g, prec: LayerPrecision, op: str, name: str) -> None:
+    if prec.grad == "nvfp4":  # the output gradient is quantized (and NaN saturated) in the backward
+        report_nonfinite(g, f"{op} backward (output gradient)", name, prec.debug_nonfinite)
 
 
 def _derive_key(g: jax.Array, key) -> jax.Array:
@@ -200,17 +172,18 @@ def _st_grads(x2, w, g2, prec: LayerPrecision):
     return dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _qdot_q(x2, w, key, prec, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _qdot_q(x2, w, key, prec, backend, name):
     return _forward(x2, w, prec, backend)
 
 
-def _qdot_q_fwd(x2, w, key, prec, backend):
+def _qdot_q_fwd(x2, w, key, prec, backend, name):
     return _forward(x2, w, prec, backend), (x2, w, key)
 
 
-def _qdot_q_bwd(prec, backend, res, g2):
+def _qdot_q_bwd(prec, backend, name, res, g2):
     x2, w, key = res
+    _report_grad(g2, prec, "qdot", name)
     if prec.grad == "nvfp4":
         dx, dw = _nvfp4_grads(x2, w, g2, key, prec)
     else:
@@ -240,6 +213,12 @@ def _qdot_pre_bwd(prec, backend, res, g2):
 _qdot_pre.defvjp(_qdot_pre_fwd, _qdot_pre_bwd)
 
 
+def _report_operands(x, w, prec: LayerPrecision, op: str, name: str) -> None:
+    report_nonfinite(x, op, name, prec.debug_nonfinite)
+    if not isinstance(w, QuantizedWeight) and prec.weight != "none":
+        report_nonfinite(w, f"{op} (weight)", name, prec.debug_nonfinite)
+
+
 def qdot(
     x: jax.Array, w, prec: LayerPrecision, *, backend: str = "xla", sr_key: jax.Array | None = None, name: str = ""
 ) -> jax.Array:
@@ -247,7 +226,7 @@ def qdot(
 
     backend: a registered backend name or "auto" (unavailable -> error with the reason). sr_key: the stochastic-
     rounding key of grad="nvfp4" (default: derived from a fixed seed, the shapes and the gradient's content).
-    name: the layer path, used by the non-finite debug report.
+    name: the layer path, used by the non-finite debug report (prec.debug_nonfinite).
     """
     _check_common(x, w, prec, 2, "qdot")
     if not prec.quantized:
@@ -255,12 +234,12 @@ def qdot(
             raise ValueError("qdot: a QuantizedWeight needs a layer precision with a weight format")
         return jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype)
     backend = be.resolve_backend(backend)
-    report_nonfinite(x, "qdot", name)
+    _report_operands(x, w, prec, "qdot", name)
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if isinstance(w, QuantizedWeight):
         y = _qdot_pre(x2, w, prec, backend)
     else:
-        y = _qdot_q(x2, w, sr_key, prec, backend)
+        y = _qdot_q(x2, w, sr_key, prec, backend, name)
     return y.astype(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -271,30 +250,8 @@ _RAGGED_WGRAD = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def _row_groups(group_sizes_e: jax.Array, m: int) -> jax.Array:
-    """The expert index of each of the m rows (rows past sum(group_sizes) get the last expert; their output is 0)."""
-    e = group_sizes_e.shape[0]
-    return jnp.repeat(jnp.arange(e), group_sizes_e, total_repeat_length=m)
-
-
-def _per_row(factor: jax.Array, rows_e: jax.Array) -> jax.Array:
-    """A per-expert factor [E] (or scalar) as a per-row factor [M, 1]."""
-    return factor[rows_e][:, None] if jnp.ndim(factor) else factor
-
-
 def _ragged_forward(x_mk, w, gs, prec: LayerPrecision, backend: str) -> jax.Array:
-    if backend == "xla":
-        return _forward_reference(x_mk, w, prec, gs)
-    qx = quantize_operand(x_mk, prec.act, prec.act_scaling, backend)
-    if isinstance(w, QuantizedWeight):
-        qw = w.q
-    elif prec.weight == "none":
-        qw = jnp.swapaxes(w, -1, -2)
-    else:
-        qw = quantize_weight(w, prec.weight, prec.weight_scaling, backend)
-    xv, fx, wv, fw = be.gemm_operands(qx, qw)  # wv [E, K, N], fw [E] or scalar
-    y = jax.lax.ragged_dot(xv, wv, gs, preferred_element_type=F32)
-    return y * fx * _per_row(fw, _row_groups(gs, x_mk.shape[0]))
+    return be.get_backend(backend).grouped_forward(x_mk, _weight_operand(w), gs, prec)
 
 
 def _ragged_st_grads(x, w, gs, g, gdt):
@@ -311,7 +268,7 @@ def _pad_groups(a_mk: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
     padded_gs = -(-gs // fmt.NVFP4_BLOCK) * fmt.NVFP4_BLOCK
     starts = jnp.cumsum(gs) - gs
     padded_starts = jnp.cumsum(padded_gs) - padded_gs
-    rows_e = _row_groups(gs, m)
+    rows_e = be.row_groups(gs, m)
     r = jnp.arange(m)
     dest = jnp.where(r < jnp.sum(gs), r - starts[rows_e] + padded_starts[rows_e], p)
     return jnp.zeros((p, a_mk.shape[1]), a_mk.dtype).at[dest].set(a_mk, mode="drop"), padded_gs.astype(gs.dtype)
@@ -322,7 +279,7 @@ def _ragged_nvfp4_grads(x, w, gs, g, key, prec):
     gq, wq = _nvfp4_dgrad_operands(g, w, k_d, prec)  # w [E, K, N] quantized per expert along N
     gv, fg, wv, fw = be.gemm_operands(gq, wq)  # wq holds w [E, K, N] quantized along N: wv is [E, N, K]
     dx = jax.lax.ragged_dot(gv, wv, gs, preferred_element_type=F32)
-    dx = dx * fg * _per_row(fw, _row_groups(gs, x.shape[0]))
+    dx = dx * fg * be.per_row_factor(fw, be.row_groups(gs, x.shape[0]))
     x_p, pgs = _pad_groups(x, gs)
     g_p, _ = _pad_groups(g, gs)
     xq, gtq = _nvfp4_wgrad_operands(x_p, g_p, k_w)
@@ -331,17 +288,19 @@ def _ragged_nvfp4_grads(x, w, gs, g, key, prec):
     return dx, dw * (fx * fgt)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _qragged(x, w, gs, key, prec, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _qragged(x, w, gs, key, prec, backend, name):
     return _ragged_forward(x, w, gs, prec, backend)
 
 
-def _qragged_fwd(x, w, gs, key, prec, backend):
+def _qragged_fwd(x, w, gs, key, prec, backend, name):
     return _ragged_forward(x, w, gs, prec, backend), (x, w, gs, key)
 
 
-def _qragged_bwd(prec, backend, res, g):
+def _qragged_bwd(prec, backend, name, res, g):
     x, w, gs, key = res
+    if not isinstance(w, QuantizedWeight):
+        _report_grad(g, prec, "qragged_dot", name)
     if isinstance(w, QuantizedWeight):
         gdt = F32 if prec.grad == "f32" else BF16
         dx, _ = _ragged_st_grads(x, w.dequantize(F32), gs, g, gdt)
@@ -383,7 +342,5 @@ def qragged_dot(
             raise ValueError("qragged_dot: a QuantizedWeight needs a layer precision with a weight format")
         return jax.lax.ragged_dot(x_mk, w_ekn, group_sizes_e, preferred_element_type=F32).astype(x_mk.dtype)
     backend = be.resolve_backend(backend)
-    if backend == "te":
-        raise NotImplementedError("qragged_dot: the te backend has no grouped GEMM here; use 'xla' or 'pallas'")
-    report_nonfinite(x_mk, "qragged_dot", name)
-    return _qragged(x_mk, w_ekn, group_sizes_e, sr_key, prec, backend).astype(x_mk.dtype)
+    _report_operands(x_mk, w_ekn, prec, "qragged_dot", name)
+    return _qragged(x_mk, w_ekn, group_sizes_e, sr_key, prec, backend, name).astype(x_mk.dtype)

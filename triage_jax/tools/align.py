@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from triage_jax.quant import PRESETS, backends, qdot, qragged_dot
-from triage_jax.quant.qdot import _per_row, _row_groups
 
 SMALL = {"quantize": [(16, 64), (2, 16, 128)], "dot": [(16, 64, 32)]}
 FULL = {"quantize": [(256, 1024), (4, 64, 2048)], "dot": [(128, 1024, 512), (64, 2048, 256)]}
@@ -42,7 +41,7 @@ def _median_time(fn, *args, repeats: int) -> float:
 
 def _quantize_fn(backend: str, op: str):
     name, _, scaling = op.partition(":")
-    quant = backends.get_backend(backend).quantize
+    quant = backends.get_backend(backend).op("quantize")  # BackendUnsupportedError (NotImplementedError) if absent
     return jax.jit(lambda x: quant(x, name, scaling or "tensor"))
 
 
@@ -72,9 +71,7 @@ def storage_reference_dot(x_mk, w_kn, prec, gs=None) -> jax.Array:
         qw = backends.reference_quantize(w_nk, prec.weight, prec.weight_scaling)
     if gs is None:
         return backends.reference_matmul(qx, qw)
-    a, fa, b, fb = backends.gemm_operands(qx, qw)
-    y = jax.lax.ragged_dot(a, b, gs, preferred_element_type=jnp.float32)
-    return y * fa * _per_row(fb, _row_groups(gs, x_mk.shape[0]))
+    return backends.reference_grouped_matmul(qx, qw, gs)
 
 
 def _errors(got: np.ndarray, ref: np.ndarray) -> tuple[float, float]:

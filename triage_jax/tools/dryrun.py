@@ -84,7 +84,7 @@ _KCHUNK = flags.DEFINE_integer("k_chunk", 1024, "Key block of --attention=chunke
 _DSCAN = flags.DEFINE_bool("decode_scan_layers", False, "Scan the layers in the decode step too (the trainer's "
                            "sampler runs them unrolled, updating the KV cache in place).")
 _MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 0, "Expert FFN over this many sorted assignment rows at a time "
-                                  "(models.moe.row_chunking; 0: all at once).")
+                                  "(ModelConfig.moe_row_chunk; 0: all at once).")
 _SKIP_DECODE = flags.DEFINE_bool("skip_decode", False, "Only the learner step.")
 
 GB = 1e9
@@ -155,13 +155,14 @@ def learner_step(c, model_cfg, mesh, n: int, prompt_len: int, resp_len: int, att
 
     from triage_jax.learner import Learner
     from triage_jax.models.chunked_attention import long_sequence_attention
-    from triage_jax.models.moe import row_chunking
 
+    if moe_chunk:
+        model_cfg = model_cfg.replace(moe_row_chunk=moe_chunk)
     learner = Learner(abstract_model(model_cfg), c, mesh=mesh, abstract=True)
     t0 = time.perf_counter()
     ctx = long_sequence_attention(q_chunk=q_chunk, k_chunk=k_chunk) if attention == "chunked" else \
         contextlib.nullcontext()
-    with ctx, row_chunking(moe_chunk):
+    with ctx:
         lowered = learner.lower_update(n, prompt_len, resp_len)
     compiled = lowered.compile()
     name = f"learner remat={model_cfg.remat} attn={attention}" + (f" moe_chunk={moe_chunk}" if moe_chunk else "")
