@@ -86,6 +86,25 @@ def make_optimizer(o: OptimSettings) -> optax.GradientTransformation:
     return optax.apply_if_finite(tx, max_consecutive_errors=1 << 30)
 
 
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _guard_finite(params, opt_state, new_params, new_opt_state):
+    """(new params, new optimizer state) when both are finite, else the old ones with apply_if_finite's
+    counters advanced as for a non-finite gradient (streak +1, last_finite False, total +1)."""
+    ok = _all_finite(new_params) & _all_finite(new_opt_state.inner_state)
+    rejected = new_opt_state._replace(
+        inner_state=opt_state.inner_state,
+        notfinite_count=opt_state.notfinite_count + 1,
+        last_finite=jnp.array(False),
+        total_notfinite=opt_state.total_notfinite + 1,
+    )
+    return jax.tree.map(lambda new, old: jnp.where(ok, new, old), (new_params, new_opt_state),
+                        (params, rejected))
+
+
 def nonfinite_count(opt_state) -> jax.Array:
     """Consecutive skipped (non-finite) updates, from optax.apply_if_finite's state."""
     return opt_state.notfinite_count
@@ -285,6 +304,10 @@ class Learner:
         gnorm = optax.global_norm(grads)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        # apply_if_finite checks the gradients only: an lr of inf (or an overflow inside AdamW) passes that and
+        # still makes the new parameters or moments non-finite. Such a new state is never applied; it counts in
+        # the same non-finite streak as a non-finite gradient.
+        new_params, new_opt_state = _guard_finite(params, opt_state, new_params, new_opt_state)
         # A mini-batch without a real token (fill rows, or every response rejected by the correction) takes no
         # step: AdamW's momentum and weight decay would still move the weights, and the update count would advance.
         has_tokens = jnp.sum(mb_all.loss_mask) > 0
