@@ -154,3 +154,59 @@ def test_score_batch_and_registry():
         score_batch(["a", "b"], ["7"])
     with pytest.raises(ValueError, match="known rewards"):
         rewards.get_reward_fn("bleu")
+
+
+HOSTILE = {
+    "parens1000": "Answer: $" + "(" * 1000 + "1" + ")" * 1000 + "$",
+    "parens2000": "Answer: $" + "(" * 2000 + "1" + ")" * 2000 + "$",
+    "braces1500": "\\boxed{" + "{" * 1500 + "1" + "}" * 1500 + "}",
+    "tower3": "$\\boxed{10^{10^{10}}}$",
+    "tower4": "The answer is $\\boxed{10^{10^{10^{10}}}}$",
+    "tower5": "$\\boxed{9^{9^{9^{9^{9}}}}}$",
+    "factorial": "$\\boxed{(10^{10})!}$",
+}
+
+
+def _warm():
+    assert math_verify_reward("\\boxed{3}", "3") == 1.0  # the worker's one-time import is not a response's cost
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_math_verify_hostile_answers_cost_at_most_a_second(name):
+    """Before: 5 s (the old default) to 16 s per answer. Now <= timeout + kill margin (~0.95 s)."""
+    _warm()
+    start = time.perf_counter()
+    assert math_verify_reward(HOSTILE[name], "7") == -1.0
+    assert time.perf_counter() - start <= 1.0
+    assert rewards.MATH_VERIFY_TIMEOUT_S + rewards.MATH_VERIFY_KILL_MARGIN_S <= 1.0
+
+
+def test_pre_parse_limit():
+    assert rewards.too_hostile("(" * 40 + ")" * 40) and rewards.too_hostile("10^{10^{10^{10}}}")
+    assert not rewards.too_hostile("\\frac{x^{2}+1}{(x+1)^{2}}") and not rewards.too_hostile("2^{3^{2}}")
+
+
+def test_math_verify_deadline_holds_when_the_alarm_is_swallowed(monkeypatch):
+    """A deadline that never arrives inside the worker (here SIGALRM is blocked there, as when the exception
+    is swallowed in a GC callback) still ends at timeout + margin: the parent kills the worker, the warm spare
+    answers the next response."""
+    monkeypatch.setattr(rewards, "MATH_VERIFY_MAX_NESTING", 10**9)  # let the parser trap through
+    rewards.shutdown_workers()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        _warm()  # workers spawned now inherit the blocked SIGALRM
+        time.sleep(0.5)  # (the spare too)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    start = time.perf_counter()
+    assert math_verify_reward(HOSTILE["parens2000"], "7", timeout_s=0.5) == -1.0
+    assert time.perf_counter() - start <= 0.5 + rewards.MATH_VERIFY_KILL_MARGIN_S + 0.3
+    assert math_verify_reward("Answer: 1/2", "\\frac12") == 1.0
+    rewards.shutdown_workers()  # do not leave workers with a blocked SIGALRM to later tests
+
+
+def test_empty_normalized_truth_never_matches():
+    # Before: "\\text{}" and "$" both normalize to "", so an empty answer scored +1.
+    assert normalize_final_answer("\\text{}") == "" and normalize_final_answer("$") == ""
+    assert dapo_reward("Answer: $", "\\text{}") == -1.0
+    assert dapo_reward("Answer: \\text{}", "$") == -1.0

@@ -3,19 +3,21 @@
 `dapo_reward` follows DAPO's Minerva-style checker: keep the last 300 characters of the response, take the text
 after the last `Answer:`, normalize it and the ground truth the same way, +1.0 if equal else -1.0. Inputs are
 length-bounded before any regex runs, and any exception scores -1.0, so no string can make a reward raise or hang.
-`math_verify_reward` scores with math-verify (symbolic equivalence) under a hard deadline.
+`math_verify_reward` scores with math-verify (symbolic equivalence) under a hard deadline (a killable worker
+process, <= ~1 s per response by default).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import concurrent.futures.process
+import atexit
 import dataclasses
 import functools
 import logging
-import multiprocessing
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -91,18 +93,28 @@ def dapo_reward(response: str, ground_truth: str) -> float:
             return INCORRECT
         if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
             return INCORRECT
-        return CORRECT if normalize_final_answer(extracted) == _normalized_ground_truth(ground_truth) else INCORRECT
+        truth = _normalized_ground_truth(ground_truth)
+        if not truth:  # a truth that normalizes to nothing ("$", "\\text{}") matches no answer, not an empty one
+            return INCORRECT
+        return CORRECT if normalize_final_answer(extracted) == truth else INCORRECT
     except Exception:  # noqa: BLE001 - a reward must be total
         logger.debug("dapo_reward failed; scoring -1", exc_info=True)
         return INCORRECT
 
 
 # ------------------------------------------------------------------------------------- math-verify
-# math-verify's own timeouts use signal.alarm and refuse to run off the main thread, and an inner alarm(0) would
-# cancel an outer one; so its timeouts stay off and one deadline guards the whole parse+verify instead: SIGALRM on
-# the main thread, a killable worker process elsewhere.
-MATH_VERIFY_TIMEOUT_S = 5.0
+# math-verify (sympy) can run for seconds or forever on hostile answers (deep nesting, power towers), and a
+# deadline raised by a signal can be swallowed ("Exception ignored") when it fires inside a garbage-collector
+# callback. So the bound is enforced three ways: (1) a pre-parse limit rejects over-deep nesting and power towers
+# in microseconds; (2) the parse+verify runs in a worker process under its own SIGALRM deadline; (3) the parent
+# waits at most timeout + MATH_VERIFY_KILL_MARGIN_S and then kills the worker (a spare, already warm, takes over
+# at once). One response costs at most ~timeout + margin, whatever it contains.
+MATH_VERIFY_TIMEOUT_S = 0.75
+MATH_VERIFY_KILL_MARGIN_S = 0.2
 MATH_VERIFY_TAIL_CHARS = 4096  # answers sit at the end; the tail bounds parsing cost
+MATH_VERIFY_MAX_NESTING = 32  # brackets ( [ { nested deeper than this: no real answer, a parser trap
+MATH_VERIFY_MAX_TOWER = 2  # a^{b^{c}} is height 2; 10^{10^{10^{10}}} (height 3) would be evaluated by sympy
+_WORKER_START_S = 120.0  # a fresh worker imports math-verify (sympy) once
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
@@ -118,6 +130,39 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 class _Deadline(BaseException):
     """Raised by the SIGALRM handler; a BaseException so library `except Exception` blocks cannot swallow it."""
+
+
+def too_hostile(text: str) -> bool:
+    """Whether `text` nests brackets deeper than MATH_VERIFY_MAX_NESTING or stacks powers higher than
+    MATH_VERIFY_MAX_TOWER (linear time; checked before anything parses it)."""
+    depth = 0
+    exp_levels: list[int] = []  # per open bracket: the power level inside it
+    level = 0
+    pending_exp = False
+    for ch in text:
+        if ch in "({[":
+            depth += 1
+            if depth > MATH_VERIFY_MAX_NESTING:
+                return True
+            exp_levels.append(level)
+            if pending_exp:
+                level += 1
+                if level > MATH_VERIFY_MAX_TOWER:
+                    return True
+            pending_exp = False
+        elif ch in ")}]":
+            depth = max(depth - 1, 0)
+            level = exp_levels.pop() if exp_levels else 0
+            pending_exp = False
+        elif ch == "^":
+            if pending_exp:  # a^^b
+                continue
+            pending_exp = True
+            if level + 1 > MATH_VERIFY_MAX_TOWER:
+                return True
+        elif not ch.isspace():
+            pending_exp = False
+    return False
 
 
 def _math_verify_equal(response: str, ground_truth: str) -> bool:
@@ -160,53 +205,129 @@ def _run_with_alarm(fn: Callable[[], bool], timeout_s: float) -> bool:
                 continue
 
 
-def _worker_equal(response: str, ground_truth: str, timeout_s: float) -> bool:
-    return _run_with_alarm(functools.partial(_math_verify_equal, response, ground_truth), timeout_s)
+def _serve(read_fd: int, write_fd: int) -> None:
+    """Worker process: import math-verify, say ready, then answer (response, truth, timeout) requests."""
+    from multiprocessing.connection import Connection
+
+    rx, tx = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    import math_verify  # noqa: F401 - the slow import, once
+
+    tx.send("ready")
+    while True:
+        try:
+            response, truth, timeout_s = rx.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            ok = _run_with_alarm(functools.partial(_math_verify_equal, response, truth), timeout_s)
+        except BaseException:  # noqa: BLE001 - _Deadline or any failure scores incorrect; the worker lives on
+            ok = False
+        try:
+            tx.send(bool(ok))
+        except (EOFError, OSError):
+            return
+
+
+class _Worker:
+    """One math-verify worker: a fresh interpreter (`python -c`, so neither JAX's threads nor the caller's
+    `__main__` are inherited) talking over two pipes."""
+
+    def __init__(self):
+        from multiprocessing.connection import Connection
+
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        code = f"from triage_jax.data.rewards import _serve; _serve({req_r}, {rep_w})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
+                                     close_fds=True)
+        os.close(req_r)
+        os.close(rep_w)
+        self.tx, self.rx = Connection(req_w, readable=False), Connection(rep_r, writable=False)
+        self.ready = False
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        if not self.ready and self.rx.poll(timeout_s):
+            try:
+                self.ready = self.rx.recv() == "ready"
+            except (EOFError, OSError):
+                self.ready = False
+        return self.ready
+
+    def ask(self, response: str, truth: str, timeout_s: float) -> bool | None:
+        """The verdict, or None when the worker overran its deadline (then it is killed)."""
+        try:
+            self.tx.send((response, truth, timeout_s))
+            if self.rx.poll(timeout_s + MATH_VERIFY_KILL_MARGIN_S):
+                return bool(self.rx.recv())
+        except (EOFError, OSError):
+            pass
+        self.kill()
+        return None
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(1.0)
+        except Exception:  # noqa: BLE001
+            pass
+        for c in (self.tx, self.rx):
+            try:
+                c.close()
+            except OSError:
+                pass
 
 
 _pool_lock = threading.Lock()
-_pool: concurrent.futures.ProcessPoolExecutor | None = None
+_workers: list[_Worker] = []  # [active, spare]: a killed worker is replaced by the warm spare at once
 
 
-def _get_pool() -> concurrent.futures.ProcessPoolExecutor:
-    global _pool
+def _active_worker() -> _Worker:
+    while len(_workers) < 2:
+        _workers.append(_Worker())
+    w = _workers[0]
+    if not w.wait_ready(_WORKER_START_S):
+        w.kill()
+        _workers.pop(0)
+        raise RuntimeError("math-verify worker failed to start")
+    return w
+
+
+def _retire(w: _Worker) -> None:
+    if w in _workers:
+        _workers.remove(w)
+    _workers.append(_Worker())  # the new spare warms up in the background
+
+
+def shutdown_workers() -> None:
+    """Stop the math-verify worker processes (they also die with this process)."""
     with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        return _pool
+        while _workers:
+            _workers.pop().kill()
 
 
-def _discard_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    global _pool
-    with _pool_lock:
-        if _pool is pool:
-            _pool = None
-    for proc in list(getattr(pool, "_processes", {}).values()):
-        proc.kill()
-    pool.shutdown(wait=False, cancel_futures=True)
+atexit.register(shutdown_workers)
 
 
 def math_verify_equal(response: str, ground_truth: str, *, timeout_s: float = MATH_VERIFY_TIMEOUT_S) -> bool:
-    """Whether math-verify finds the response's final answer equivalent to the ground truth; False on any failure
-    or when `timeout_s` passes."""
+    """Whether math-verify finds the response's final answer equivalent to the ground truth; False on any failure,
+    on a hostile answer (`too_hostile`) or when `timeout_s` passes (hard bound: timeout_s + kill margin)."""
     try:
         if not isinstance(response, str) or not isinstance(ground_truth, str) or not ground_truth.strip():
             return False
         if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
             return False
-        if threading.current_thread() is threading.main_thread():
-            return _run_with_alarm(functools.partial(_math_verify_equal, response, ground_truth), timeout_s)
-        # Off the main thread no signal can interrupt us: run in a worker process that can be killed.
-        pool = _get_pool()
-        future = pool.submit(_worker_equal, response, ground_truth, timeout_s)
-        try:
-            return bool(future.result(timeout=timeout_s + 30.0))  # slack for the worker's first import
-        except (concurrent.futures.TimeoutError, concurrent.futures.process.BrokenProcessPool):
-            _discard_pool(pool)
+        tail = response[-MATH_VERIFY_TAIL_CHARS:]
+        if too_hostile(tail) or too_hostile(ground_truth):
+            logger.debug("math_verify: answer nests too deep; scoring incorrect")
             return False
-    except _Deadline:
-        logger.debug("math_verify timed out after %.1fs; scoring incorrect", timeout_s)
-        return False
+        with _pool_lock:
+            w = _active_worker()
+            ok = w.ask(tail, ground_truth, timeout_s)
+            if ok is None:
+                logger.debug("math_verify overran %.2fs; worker killed, scoring incorrect", timeout_s)
+                _retire(w)
+                return False
+            return ok
     except Exception:  # noqa: BLE001 - a reward must be total
         logger.debug("math_verify failed; scoring incorrect", exc_info=True)
         return False
