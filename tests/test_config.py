@@ -140,3 +140,14 @@ def test_validation_reads_the_registries(monkeypatch):
         validate(c)
     monkeypatch.setitem(corrections.CORRECTIONS, "my_rule", dataclasses.replace(corrections.CORRECTIONS["none"]))
     validate(c)
+
+
+def test_broken_hf_config_json_fails_in_validation(tmp_path):
+    c = base_config()
+    c.model.hf_path = str(tmp_path)
+    c.tokenizer = "char"
+    with pytest.raises(ConfigError, match=r"config\.json does not exist"):
+        validate(c)
+    (tmp_path / "config.json").write_text('{"vocab_size": 12,')
+    with pytest.raises(ConfigError, match=r"model\.hf_path: .*config\.json is not valid JSON"):
+        validate(c)

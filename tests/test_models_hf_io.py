@@ -125,3 +125,21 @@ def test_loading_never_materializes_a_random_init(tmp_path, monkeypatch):
     assert concrete and not any(concrete)
     assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(nnx.state(back)))
     _assert_same_params(model, back)
+
+
+def test_truncated_safetensors_and_broken_config_json_name_the_file(tmp_path):
+    """Before: a bare SafetensorError / JSONDecodeError that names no file."""
+    from triage_jax.models.hf_io import HFCheckpointError
+
+    model = Qwen3(get_model_config("tiny", **SMALL), rngs=nnx.Rngs(0))
+    save_pretrained(model, tmp_path)
+    st = tmp_path / "model.safetensors"
+    good = st.read_bytes()
+    st.write_bytes(good[: len(good) // 2])
+    with pytest.raises(HFCheckpointError, match=r"model\.safetensors.*(truncated|re-download)"):
+        from_pretrained(tmp_path)
+    st.write_bytes(good)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(cfg.read_text()[:-20])
+    with pytest.raises(HFCheckpointError, match=r"config\.json is not valid JSON"):
+        from_pretrained(tmp_path)

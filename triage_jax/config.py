@@ -240,6 +240,23 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         tok = tokenizer_path(c)
         if tok != "char" and not os.path.exists(tok):
             _fail("tokenizer", f"{tok!r} does not exist (pass --config.tokenizer=/path/tokenizer.json)")
+        if c.model.hf_path:
+            _check_hf_config_json(os.path.join(c.model.hf_path, "config.json"))
+
+
+def _check_hf_config_json(path: str) -> None:
+    """The HF checkpoint's config.json exists and is a JSON object (a broken one names the file here)."""
+    import json
+
+    if not os.path.isfile(path):
+        _fail("model.hf_path", f"{path} does not exist: the HF checkpoint folder needs its config.json")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        _fail("model.hf_path", f"{path} is not valid JSON ({e})")
+    if not isinstance(data, dict):
+        _fail("model.hf_path", f"{path} holds a JSON {type(data).__name__}, expected an object")
 
 
 def tokenizer_path(c: ml_collections.ConfigDict) -> str:

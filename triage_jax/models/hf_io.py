@@ -26,6 +26,29 @@ INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+class HFCheckpointError(ValueError):
+    """An HF checkpoint file is unreadable (truncated safetensors, broken JSON); the message names the file."""
+
+
+def _safe_open(path: str):
+    try:
+        return safe_open(path, "numpy")
+    except Exception as e:  # SafetensorError, OSError: truncated, empty or not a safetensors file
+        raise HFCheckpointError(f"cannot read safetensors file {path}: {e} (truncated or not a safetensors "
+                                f"file? re-download it)") from None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{path} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
 def hf_tensor_map(model: Qwen3) -> Iterator[tuple[str, object, str, tuple[int, ...]]]:
     """(HF key, our module or variable, kind, index) for every checkpoint tensor of `model`.
 
@@ -76,8 +99,13 @@ class _Checkpoint:
     def __init__(self, path: str):
         index = os.path.join(path, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                self.weight_map = dict(json.load(f)["weight_map"])
+            data = _read_json(index)
+            if not isinstance(data.get("weight_map"), dict):
+                raise HFCheckpointError(f"{index} has no 'weight_map' object")
+            self.weight_map = dict(data["weight_map"])
+            for fname in sorted(set(self.weight_map.values())):
+                if not os.path.isfile(os.path.join(path, fname)):
+                    raise HFCheckpointError(f"{index} names {fname}, which is not in {path}")
         else:
             files = [SINGLE_FILE] if os.path.exists(os.path.join(path, SINGLE_FILE)) else sorted(
                 f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -85,7 +113,7 @@ class _Checkpoint:
                 raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {path}")
             self.weight_map = {}
             for fname in files:
-                with safe_open(os.path.join(path, fname), "numpy") as f:
+                with _safe_open(os.path.join(path, fname)) as f:
                     self.weight_map.update({k: fname for k in f.keys()})
         self.path, self._open = path, {}
 
@@ -96,9 +124,13 @@ class _Checkpoint:
         if key not in self.weight_map:
             raise KeyError(f"checkpoint {self.path} is missing key {key!r}")
         fname = self.weight_map[key]
+        file = os.path.join(self.path, fname)
         if fname not in self._open:
-            self._open[fname] = safe_open(os.path.join(self.path, fname), "numpy").__enter__()
-        return self._open[fname].get_tensor(key)
+            self._open[fname] = _safe_open(file).__enter__()
+        try:
+            return self._open[fname].get_tensor(key)
+        except Exception as e:  # a tensor whose bytes are missing or malformed
+            raise HFCheckpointError(f"cannot read tensor {key!r} from safetensors file {file}: {e}") from None
 
     def close(self):
         for f in self._open.values():
@@ -162,7 +194,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", param_dt
     kernels are pre-quantized once (`prequantize_model`), for the sampler.
     """
     path = os.fspath(path)
-    cfg = ModelConfig.from_hf_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
+    cfg_file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    _read_json(cfg_file)  # a broken config.json names itself
+    try:
+        cfg = ModelConfig.from_hf_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **config_overrides)
+    except (KeyError, TypeError, ValueError) as e:
+        raise HFCheckpointError(f"{cfg_file} is not a usable Qwen3 config ({type(e).__name__}: {e})") from None
     model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     load_hf_weights(model, path)
     return model if policy is None else prequantize_model(model, policy)
