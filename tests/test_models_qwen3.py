@@ -39,19 +39,27 @@ def _left_padded(seed=0, b=3, t=10, pads=(0, 2, 5), vocab=64):
     return jnp.where(mask, ids, 0), mask
 
 
+def _continue(ids, lens, k):
+    """Token k of each row's continuation: ids[b, lens[b] + k] as a [B, 1] batch."""
+    return jnp.take_along_axis(ids, (jnp.asarray(lens) + k)[:, None], axis=1)
+
+
 def test_prefill_then_decode_equals_full_forward(model):
-    ids, mask = _left_padded()
-    full = fwd(model, ids, mask)
-    cache = init_kv_cache(model.cfg, 3, 16, dtype=jnp.float32)
-    step = jax.jit(lambda m, i, c, k, msk: m(i, attention_mask_bt=msk, cache=c, cache_index=k))
-    pre, cache = step(model, ids[:, :7], cache, 0, mask[:, :7])
-    real = np.asarray(mask)
-    np.testing.assert_allclose(np.asarray(pre)[real[:, :7]], np.asarray(full[:, :7])[real[:, :7]], atol=1e-5)
-    for k in range(7, 10):  # one token at a time
-        dec, cache = step(model, ids[:, k:k + 1], cache, k, mask[:, k:k + 1])
-        np.testing.assert_allclose(np.asarray(dec[:, 0]), np.asarray(full[:, k]), atol=1e-5)
-    assert np.asarray(cache.valid_bs[:, :10]).tolist() == real.tolist()
-    assert not np.asarray(cache.valid_bs[:, 10:]).any()
+    """Right-padded prompts of 7, 5 and 2 tokens, then 3 decode steps, each row at its own slot."""
+    ids, _ = _left_padded(pads=(0, 0, 0))
+    full = np.asarray(fwd(model, ids, jnp.ones(ids.shape, bool)))
+    lens = np.array([7, 5, 2])
+    cache = init_kv_cache(model.cfg, 3, 64, dtype=jnp.float32)
+    step = jax.jit(lambda m, i, c, msk: m(i, attention_mask_bt=msk, cache=c))
+    prompt_mask = jnp.arange(7)[None, :] < jnp.asarray(lens)[:, None]
+    pre, cache = step(model, ids[:, :7], cache, prompt_mask)
+    real = np.asarray(prompt_mask)
+    np.testing.assert_allclose(np.asarray(pre)[real], full[:, :7][real], atol=1e-5)
+    assert np.asarray(cache.lengths).tolist() == [7, 5, 2]
+    for k in range(3):  # one token at a time
+        dec, cache = step(model, _continue(ids, lens, k), cache, jnp.ones((3, 1), bool))
+        np.testing.assert_allclose(np.asarray(dec[:, 0]), full[np.arange(3), lens + k], atol=1e-5)
+    assert np.asarray(cache.lengths).tolist() == [10, 8, 5]
 
 
 def test_padding_does_not_change_real_tokens(model):
@@ -72,28 +80,30 @@ def test_causality(model):
 
 
 def test_fp8_kv_cache_scale_is_set_by_prefill_and_clipped_after(model):
-    ids, mask = _left_padded()
-    full = np.asarray(fwd(model, ids, mask))
-    cache = init_kv_cache(model.cfg, 3, 16, kv_format="fp8", fp8_headroom=2.0)
-    assert cache.k.dtype == FP8 and float(cache.k_scale[0]) == 0.0
-    step = nnx.jit(lambda m, i, c, k, msk: m(i, attention_mask_bt=msk, cache=c, cache_index=k))
-    pre, cache = step(model, ids[:, :7], cache, 0, mask[:, :7])
+    ids, _ = _left_padded(pads=(0, 0, 0))
+    full = np.asarray(fwd(model, ids, jnp.ones(ids.shape, bool)))
+    lens = np.array([7, 5, 2])
+    mask = jnp.arange(7)[None, :] < jnp.asarray(lens)[:, None]
+    cache = init_kv_cache(model.cfg, 3, 64, kv_format="fp8", fp8_headroom=2.0)
+    assert cache.is_fp8 and float(cache.k_scale[0]) == 0.0
+    step = nnx.jit(lambda m, i, c, msk: m(i, attention_mask_bt=msk, cache=c))
+    pre, cache = step(model, ids[:, :7], cache, mask)
     # Scale from the real prefill tokens: amax * headroom / 448.
     x = model.layers[0].input_norm(model.embed(ids[:, :7]))
     from triage_jax.models.layers import apply_rope, rope_cos_sin
-    pos = jnp.maximum(jnp.cumsum(mask[:, :7], axis=1) - 1, 0)
+    pos = jnp.broadcast_to(jnp.arange(7), (3, 7))
     cos, sin = rope_cos_sin(pos, 16, model.cfg.rope_theta, jnp.float32)
     attn = model.layers[0].attn
     k = apply_rope(attn.k_norm(attn.k_proj(x)), cos, sin)
-    amax = jnp.max(jnp.where(mask[:, :7, None, None], jnp.abs(k), 0))
+    amax = jnp.max(jnp.where(mask[:, :, None, None], jnp.abs(k), 0))
     np.testing.assert_allclose(float(cache.k_scale[0]), float(amax) * 2.0 / 448, rtol=1e-6)
     scale0 = cache.k_scale
-    dec, cache = step(model, ids[:, 7:8], cache, 7, mask[:, 7:8])
+    dec, cache = step(model, _continue(ids, lens, 0), cache, jnp.ones((3, 1), bool))
     np.testing.assert_array_equal(np.asarray(cache.k_scale), np.asarray(scale0))  # reused, not re-derived
     real = np.asarray(mask)
     # FP8 (3 mantissa bits) perturbs the logits a little, not the distribution.
-    assert _mean_kl(full[:, :7][real[:, :7]], np.asarray(pre)[real[:, :7]]) < 2e-3
-    assert _mean_kl(full[:, 7], np.asarray(dec[:, 0])) < 2e-3
+    assert _mean_kl(full[:, :7][real], np.asarray(pre)[real]) < 2e-3
+    assert _mean_kl(full[np.arange(3), lens], np.asarray(dec[:, 0])) < 2e-3
     # Clip before the cast: out-of-range values saturate at +-448 instead of becoming NaN.
     q = quantize_fp8_kv(jnp.asarray([1e6, -1e6, 1.0]), jnp.float32(1.0))
     assert np.asarray(q.astype(jnp.float32)).tolist() == [448.0, -448.0, 1.0]
@@ -106,13 +116,10 @@ def _mean_kl(ref, new):
 
 def test_cache_errors(model):
     cache = init_kv_cache(model.cfg, 2, 8)
-    ids = jnp.zeros((2, 5), jnp.int32)
     with pytest.raises(ValueError, match="cache overflow"):
-        model(ids, cache=cache, cache_index=4)
-    with pytest.raises(ValueError, match="cache_index"):
-        model(ids, cache=cache)
+        model(jnp.zeros((2, 9), jnp.int32), cache=cache)
     with pytest.raises(ValueError, match="batch"):
-        model(jnp.zeros((3, 1), jnp.int32), cache=cache, cache_index=0)
+        model(jnp.zeros((3, 1), jnp.int32), cache=cache)
     with pytest.raises(ValueError, match="kv_format"):
         init_kv_cache(model.cfg, 2, 8, kv_format="int8")
 

@@ -56,15 +56,15 @@ def test_scanned_forward_and_aux_equal_looped(pair):
 
 def test_scanned_prefill_decode_equals_full_forward(pair):
     _, scanned = pair
-    ids, mask = _batch()
-    full, _ = fwd(scanned, ids, mask)
-    step = nnx.jit(lambda m, i, c, k, msk: m(i, attention_mask_bt=msk, cache=c, cache_index=k))
-    cache = init_kv_cache(scanned.cfg, 2, 12, dtype=jnp.float32)
-    pre, cache = step(scanned, ids[:, :8], cache, 0, mask[:, :8])
-    dec, cache = step(scanned, ids[:, 8:], cache, 8, mask[:, 8:])
-    real = np.asarray(mask[:, :8])
-    np.testing.assert_allclose(np.asarray(pre)[real], np.asarray(full[:, :8])[real], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dec), np.asarray(full[:, 8:]), atol=1e-5)
+    ids, _ = _batch()
+    full, _ = fwd(scanned, ids, jnp.ones(ids.shape, bool))
+    step = nnx.jit(lambda m, i, c: m(i, cache=c))
+    cache = init_kv_cache(scanned.cfg, 2, 64, dtype=jnp.float32)
+    pre, cache = step(scanned, ids[:, :5], cache)
+    dec, cache = step(scanned, ids[:, 5:], cache)  # 4 tokens at once after the cached 5
+    np.testing.assert_allclose(np.asarray(pre), np.asarray(full[:, :5]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dec), np.asarray(full[:, 5:]), atol=1e-5)
+    assert np.asarray(cache.lengths).tolist() == [9, 9]
 
 
 def test_scanned_remat_gradients_equal_looped(pair):
@@ -82,7 +82,9 @@ def test_scanned_remat_gradients_equal_looped(pair):
     for i in range(3):
         np.testing.assert_allclose(np.asarray(gb.layers.attn.q_proj.kernel[...][i]),
                                    np.asarray(ga.layers[i].attn.q_proj.kernel[...]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(gb.embed.embedding[...]), np.asarray(ga.embed.embedding[...]), atol=1e-5)
+    # Loop vs scan sum in another order: float32 noise relative to the gradient's size.
+    np.testing.assert_allclose(np.asarray(gb.embed.embedding[...]), np.asarray(ga.embed.embedding[...]), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_scanned_prequantize_is_per_layer_and_bit_exact(pair):

@@ -185,10 +185,10 @@ def test_length_buckets_reuse_compiled_programs(model):
     cfg = SamplingConfig(max_new_tokens=6, temperature=0.9)
     gd, state = nnx.split(model)
     generate((gd, state), [[1, 2, 3], [4, 5]], cfg, key=jax.random.key(0), pad_id=PAD)
-    n_prefill, n_decode = smp._prefill._cache_size(), smp._decode._cache_size()
+    sizes = [f._cache_size() for f in (smp._prefill, smp._insert, smp._decode_round)]
     # Other prompt lengths in the same bucket, another temperature and other stop ids: no new compilation.
     generate((gd, state), [[1, 2, 3, 4, 5, 6, 7], [9]], SamplingConfig(max_new_tokens=6, temperature=0.5,
                                                                        stop_ids=(3,)),
              key=jax.random.key(1), pad_id=PAD)
-    assert smp._prefill._cache_size() == n_prefill and smp._decode._cache_size() == n_decode
-    assert smp.bucket_length(3) == 16 and smp.bucket_length(17) == 32 and smp.bucket_length(64) == 64
+    assert [f._cache_size() for f in (smp._prefill, smp._insert, smp._decode_round)] == sizes
+    assert smp.bucket_length(3) == 64 and smp.bucket_length(65) == 128 and smp.bucket_length(64) == 64

@@ -1,14 +1,20 @@
-"""The jitted sampler: prefill + one compiled decode loop over a preallocated KV cache, with sampler log-probs.
+"""The rollout engine: continuous batching over a fixed set of decode slots, with sampler log-probs.
 
-Prompts of different lengths are LEFT-padded to a length bucket so that every row's new tokens land in the same
-cache slots; the prompt bucket and the cache length are powers of two, so repeated calls with similar lengths reuse
-one compiled program per (batch, prompt bucket, cache length, max_new_tokens). The decode loop is one
-`jax.lax.while_loop` that stops early once every row has emitted a stop token; the cache is donated to it.
+A fixed number of slots share one KV cache (`models.kv_cache`: a buffer per layer, [slots, KVH, S, Dh], each
+row filled from slot 0). Requests (G samples of each prompt) wait in a queue; a prompt is prefilled once and its KV
+copied into the slots of its G samples; a finished sequence frees its slot and the next waiting sample takes it.
+The decode loop runs `steps_per_round` tokens per host round trip, one compiled program per (slots, capacity); the
+capacity follows the longest sequence held (a power of two, >= 64), so attention costs what the slots hold, not
+what could be allocated.
+
+Deterministic: every draw is keyed by (request id, token index), never by a slot, and every per-token computation
+has a fixed shape (slots, capacity blocks, prefill batch), so the tokens and log-probs of a request do not depend
+on the slot it lands in, the other requests, continuous or static batching, or the capacity bucket.
 
 Log-probs: for every drawn token the sampler reports log_softmax(logits / T) over the FULL vocabulary at the
 sampling temperature T, before top-k / top-p truncation (what verl and vLLM report as rollout log-probs with a
-temperature); the learner recomputes the same quantity with `triage_jax.logprobs.token_logprobs`. Greedy decoding
-also reports the log-prob at `temperature`.
+temperature); the learner recomputes the same quantity with `triage_jax.logprobs`. Greedy decoding also reports
+the log-prob at `temperature`.
 
 The sampler's precision policy is its own: weights are quantized once beforehand (`prepare_model`, i.e.
 `models.prequantize_model`) and activations are quantized token-wise (`act_scaling="row"`, see `sampler_policy`),
@@ -17,6 +23,7 @@ so a token's numerics do not depend on the other tokens of its batch or on prefi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Sequence
@@ -26,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from triage_jax.logprobs import default_positions, lm_head_logits, logprob_of
+from triage_jax.logprobs import lm_head_logits, logprob_of
+from triage_jax.models import kv_cache as kvc
 from triage_jax.quant import PrecisionPolicy
 
-MIN_BUCKET = 16
+MIN_BUCKET = kvc.BLOCK  # the smallest prompt / capacity bucket
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,25 +78,6 @@ class SampleOutput:
     steps: jax.Array  # int32 scalar: decode steps run (< max_new_tokens when every row stopped early)
 
 
-@dataclasses.dataclass(frozen=True)
-class PromptBatch:
-    """Left-padded prompts (host arrays) and the bucketed cache length they will be decoded in."""
-
-    ids_bp: np.ndarray
-    mask_bp: np.ndarray
-    lengths_b: np.ndarray
-    cache_len: int
-
-
-@struct.dataclass
-class DecodeState:
-    """What prefill hands to the decode loop."""
-
-    cache: object
-    first_token_b: jax.Array
-    first_logp_b: jax.Array
-
-
 def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", **kw) -> PrecisionPolicy:
     """The sampler's policy: `preset` weights/activations with token-wise activation scales, and the KV format."""
     return PrecisionPolicy.from_spec(preset, act_scaling="row", kv_cache=kv_cache, **kw)
@@ -104,38 +93,6 @@ def prepare_model(model, policy: PrecisionPolicy):
 def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
     """The power of two >= n (at least `minimum`): the compiled-shape bucket of a length."""
     return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
-
-
-def prepare_batch(prompts: Sequence[Sequence[int]], *, pad_id: int, max_new_tokens: int,
-                  max_cache_len: int | None = None, vocab_size: int | None = None) -> PromptBatch:
-    """Left-pad prompts to a length bucket and pick the cache length; errors name the offending lengths."""
-    if len(prompts) == 0:
-        raise ValueError("generate: got an empty list of prompts")
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    if (lengths == 0).any():
-        raise ValueError(f"generate: prompt(s) {np.flatnonzero(lengths == 0).tolist()} are empty; every prompt "
-                         f"needs at least one token")
-    longest = int(lengths.max())
-    if max_cache_len is None:
-        p_bucket = bucket_length(longest)
-        cache_len = bucket_length(p_bucket + max_new_tokens)
-    else:
-        cache_len = int(max_cache_len)
-        if longest + max_new_tokens > cache_len:
-            raise ValueError(
-                f"generate: prompt {int(lengths.argmax())} has {longest} tokens; with max_new_tokens="
-                f"{max_new_tokens} it needs {longest + max_new_tokens} cache slots but max_cache_len={cache_len}")
-        p_bucket = min(bucket_length(longest), cache_len - max_new_tokens)
-    ids = np.full((len(prompts), p_bucket), pad_id, np.int32)
-    mask = np.zeros((len(prompts), p_bucket), bool)
-    for b, p in enumerate(prompts):
-        row = np.asarray(p, np.int64)
-        if vocab_size is not None and ((row < 0) | (row >= vocab_size)).any():
-            bad = row[(row < 0) | (row >= vocab_size)]
-            raise ValueError(f"generate: prompt {b} has token ids {bad[:5].tolist()} outside [0, {vocab_size})")
-        ids[b, p_bucket - len(p):] = row
-        mask[b, p_bucket - len(p):] = True
-    return PromptBatch(ids, mask, lengths, cache_len)
 
 
 def filter_logits(logits_bv: jax.Array, *, top_k: int = 0, top_p: float | jax.Array = 1.0,
@@ -178,77 +135,293 @@ def _static(cfg: SamplingConfig, pad_id: int) -> _Static:
     return _Static(cfg.max_new_tokens, cfg.top_k, cfg.top_p < 1.0, cfg.greedy, int(pad_id))
 
 
-def _draw(scaled_bv, key, top_p, st: _Static):
-    """One token per row from logits already divided by T, and its full-vocabulary log-prob."""
-    if st.greedy:
-        tok_b = jnp.argmax(scaled_bv, axis=-1).astype(jnp.int32)
-    else:
-        filtered = filter_logits(scaled_bv, top_k=st.top_k, top_p=top_p, use_top_p=st.use_top_p)
-        tok_b = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
-    return tok_b, logprob_of(scaled_bv, tok_b)
-
-
 def _hyper(cfg: SamplingConfig):
     stop = jnp.asarray(cfg.stop_ids if cfg.stop_ids else (-1,), jnp.int32)
     return jnp.float32(cfg.temperature), jnp.float32(cfg.top_p), stop
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "st", "cache_len"))
-def _prefill(graphdef, state, ids_bp, mask_bp, key, temperature, top_p, *, policy, st, cache_len):
-    from triage_jax.models.kv_cache import init_kv_cache
+def _draw(scaled_bv, keys_b, top_p, st: _Static):
+    """One token per row from logits already divided by T (row b drawn with keys_b[b]), and its full-vocabulary
+    log-prob."""
+    if st.greedy:
+        tok_b = jnp.argmax(scaled_bv, axis=-1).astype(jnp.int32)
+    else:
+        filtered = filter_logits(scaled_bv, top_k=st.top_k, top_p=top_p, use_top_p=st.use_top_p)
+        tok_b = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys_b, filtered).astype(jnp.int32)
+    return tok_b, logprob_of(scaled_bv, tok_b)
 
+
+def _token_keys(key, req_b, index_b):
+    """The key of token `index_b` of request `req_b`: a request's draws never depend on its slot."""
+    return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(req_b, index_b)
+
+
+@struct.dataclass
+class Slots:
+    """The engine's device state: the shared KV cache and, per slot, its request and what it generated."""
+
+    cache: kvc.KVCache  # batch = slots
+    tok: jax.Array  # int32 [S]: the last drawn token (the next one to feed)
+    active: jax.Array  # bool [S]: decoding
+    req: jax.Array  # int32 [S]: request id
+    n_gen: jax.Array  # int32 [S]: tokens generated so far
+    out_tok: jax.Array  # int32 [S, R]
+    out_logp: jax.Array  # float32 [S, R]
+
+
+def _empty_slots(model_cfg, slots: int, capacity: int, st: _Static, kv_format: str, dtype) -> Slots:
+    r = st.max_new_tokens
+    return Slots(cache=kvc.init_kv_cache(model_cfg, slots, capacity, kv_format=kv_format, dtype=dtype),
+                 tok=jnp.zeros((slots,), jnp.int32), active=jnp.zeros((slots,), bool),
+                 req=jnp.zeros((slots,), jnp.int32), n_gen=jnp.zeros((slots,), jnp.int32),
+                 out_tok=jnp.full((slots, r), st.pad_id, jnp.int32), out_logp=jnp.zeros((slots, r), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "capacity", "kv_format"))
+def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *, policy, capacity, kv_format):
+    """Right-padded prompts [PB, Pb] into a fresh cache (the engine's FP8 scales, if set): their KV and the
+    scaled logits after each prompt's last token."""
     model = nnx.merge(graphdef, state)
-    b, p = ids_bp.shape
-    cache = init_kv_cache(model.cfg, b, cache_len, kv_format=policy.kv_cache, dtype=jnp.dtype(model.cfg.dtype))
-    h_bpd, cache = model(ids_bp, default_positions(mask_bp), mask_bp, policy=policy, cache=cache,
-                         cache_index=jnp.int32(0), return_hidden=True)
-    # Left padding: the last slot holds every row's last prompt token.
-    scaled_bv = lm_head_logits(h_bpd[:, -1], model.lm_head_kernel(), policy, temperature)
-    tok_b, logp_b = _draw(scaled_bv, jax.random.fold_in(key, 0), top_p, st)
-    return DecodeState(cache=cache, first_token_b=tok_b, first_logp_b=logp_b)
+    pb = ids_pb.shape[0]
+    cache = kvc.init_kv_cache(model.cfg, pb, capacity, kv_format=kv_format, dtype=jnp.dtype(model.cfg.dtype))
+    cache = cache.replace(k_scale=k_scale, v_scale=v_scale)
+    h_btd, cache = model(ids_pb, attention_mask_bt=mask_pb, policy=policy, cache=cache, return_hidden=True)
+    last_b = jnp.sum(mask_pb, axis=1) - 1
+    h_bd = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)[:, 0]
+    return cache, lm_head_logits(h_bd, model.lm_head_kernel(), policy, temperature)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "st"), donate_argnames=("cache",))
-def _decode(graphdef, state, cache, first_token_b, first_logp_b, prompt_len_b, start_slot, key, temperature, top_p,
-            stop_s, *, policy, st):
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("slots",))
+def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key, top_p, stop_s, *, st: _Static):
+    """Copy prefilled prompt rows row_m into slots slot_m (slot index >= S: unused entry) and draw each sample's
+    first token from its prompt's logits."""
+    p = pre.max_len
+    pos_1p = jnp.arange(p, dtype=jnp.int32)[None, :]
+
+    def copy(buf_sksh, pre_bksh):
+        rows = pre_bksh[row_m].astype(buf_sksh.dtype).transpose(0, 2, 1, 3)  # [M, P, KVH, Dh]
+        return buf_sksh.at[slot_m[:, None], :, pos_1p].set(rows, mode="drop")
+
+    cache = slots.cache.replace(
+        k=tuple(copy(b, q) for b, q in zip(slots.cache.k, pre.k)),
+        v=tuple(copy(b, q) for b, q in zip(slots.cache.v, pre.v)),
+        k_scale=pre.k_scale, v_scale=pre.v_scale,
+        lengths=slots.cache.lengths.at[slot_m].set(pre.lengths[row_m], mode="drop"))
+    tok_m, logp_m = _draw(logits_pv[row_m], _token_keys(key, req_m, jnp.zeros_like(req_m)), top_p, st)
+    alive_m = ~jnp.isin(tok_m, stop_s) & (st.max_new_tokens > 1)
+    return slots.replace(
+        cache=cache, tok=slots.tok.at[slot_m].set(tok_m, mode="drop"),
+        active=slots.active.at[slot_m].set(alive_m, mode="drop"), req=slots.req.at[slot_m].set(req_m, mode="drop"),
+        n_gen=slots.n_gen.at[slot_m].set(1, mode="drop"),
+        out_tok=slots.out_tok.at[slot_m].set(jnp.full((slot_m.shape[0], st.max_new_tokens), st.pad_id,
+                                                      jnp.int32).at[:, 0].set(tok_m), mode="drop"),
+        out_logp=slots.out_logp.at[slot_m].set(jnp.zeros((slot_m.shape[0], st.max_new_tokens),
+                                                         jnp.float32).at[:, 0].set(logp_m), mode="drop"))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "st", "steps"), donate_argnames=("slots",))
+def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s, *, policy, st: _Static,
+                  steps: int):
+    """Up to `steps` decode steps of every active slot (fewer when all are done): feed each slot's last token,
+    draw the next one."""
     model = nnx.merge(graphdef, state)
     w_dv = model.lm_head_kernel()
-    n = st.max_new_tokens
-    b = prompt_len_b.shape[0]
-    tok_b = first_token_b
-    done_b = jnp.isin(tok_b, stop_s)
-    toks_bn = jnp.full((b, n), st.pad_id, jnp.int32).at[:, 0].set(tok_b)
-    logps_bn = jnp.zeros((b, n), jnp.float32).at[:, 0].set(first_logp_b)
-    ones_b1 = jnp.ones((b, 1), bool)
+    rows_s = jnp.arange(slots.tok.shape[0])
 
     def cond(c):
-        i, _, _, done_b, _, _ = c
-        return (i < n) & ~jnp.all(done_b)
+        i, sl = c
+        return (i < steps) & jnp.any(sl.active)
 
     def body(c):
-        i, cache, tok_b, done_b, toks_bn, logps_bn = c
-        # Feed the token drawn at step i-1: cache slot start+i-1, RoPE position prompt_len+i-1.
-        pos_b1 = (prompt_len_b + i - 1)[:, None]
-        h_b1d, cache = model(tok_b[:, None], pos_b1, ones_b1, policy=policy, cache=cache,
-                             cache_index=start_slot + i - 1, return_hidden=True)
-        scaled_bv = lm_head_logits(h_b1d[:, 0], w_dv, policy, temperature)
-        new_b, logp_b = _draw(scaled_bv, jax.random.fold_in(key, i), top_p, st)
-        new_b = jnp.where(done_b, st.pad_id, new_b)
-        logp_b = jnp.where(done_b, 0.0, logp_b)
-        toks_bn = jax.lax.dynamic_update_slice(toks_bn, new_b[:, None], (0, i))
-        logps_bn = jax.lax.dynamic_update_slice(logps_bn, logp_b[:, None], (0, i))
-        done_b = done_b | jnp.isin(new_b, stop_s)
-        return i + 1, cache, new_b, done_b, toks_bn, logps_bn
+        i, sl = c
+        h_s1d, cache = model(sl.tok[:, None], attention_mask_bt=sl.active[:, None], policy=policy, cache=sl.cache,
+                             return_hidden=True)
+        scaled_sv = lm_head_logits(h_s1d[:, 0], w_dv, policy, temperature)
+        new_s, logp_s = _draw(scaled_sv, _token_keys(key, sl.req, sl.n_gen), top_p, st)
+        idx_s = jnp.where(sl.active, sl.n_gen, st.max_new_tokens)  # inactive rows write nowhere (dropped)
+        n_gen = sl.n_gen + sl.active
+        done_s = sl.active & (jnp.isin(new_s, stop_s) | (n_gen >= st.max_new_tokens))
+        return i + 1, sl.replace(
+            cache=cache, tok=jnp.where(sl.active, new_s, sl.tok), active=sl.active & ~done_s, n_gen=n_gen,
+            out_tok=sl.out_tok.at[rows_s, idx_s].set(new_s, mode="drop"),
+            out_logp=sl.out_logp.at[rows_s, idx_s].set(logp_s, mode="drop"))
 
-    init = (jnp.int32(1), cache, tok_b, done_b, toks_bn, logps_bn)
-    steps, cache, _, _, toks_bn, logps_bn = jax.lax.while_loop(cond, body, init)
-    # A row's response runs up to and including its first stop token.
-    is_stop_bn = jnp.isin(toks_bn, stop_s)
-    first_stop_b = jnp.where(is_stop_bn.any(-1), jnp.argmax(is_stop_bn, axis=-1), n - 1)
-    mask_bn = jnp.arange(n)[None, :] <= first_stop_b[:, None]
-    # The cache is returned so that its donated buffer is updated in place rather than copied into the loop.
-    return (jnp.where(mask_bn, toks_bn, st.pad_id), (first_stop_b + 1).astype(jnp.int32),
-            jnp.where(mask_bn, logps_bn, 0.0), mask_bn, steps, cache)
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("slots",))
+def _resize(slots: Slots, *, capacity: int) -> Slots:
+    return slots.replace(cache=kvc.resize(slots.cache, capacity))
+
+
+@jax.jit
+def _harvest(slots: Slots, slot_k):
+    return slots.out_tok[slot_k], slots.out_logp[slot_k]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Slots and scheduling. `max_len` bounds a sequence (prompt + response); `continuous=False` runs static
+    waves (every slot filled, decoded until all are done, then refilled): the baseline continuous batching beats."""
+
+    max_slots: int
+    max_len: int
+    steps_per_round: int = 8
+    prefill_batch: int = 8
+    continuous: bool = True
+
+    def __post_init__(self):
+        for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Engine:
+    """Continuous batching over `config.max_slots` decode slots; `load` a (prepared) model, then `generate`."""
+
+    def __init__(self, model, cfg: SamplingConfig, config: EngineConfig, *, policy: PrecisionPolicy | None = None,
+                 pad_id: int = 0):
+        self.cfg, self.config = cfg, config
+        self.policy = policy or PrecisionPolicy()
+        self.st = _static(cfg, pad_id)
+        self.pad_id = int(pad_id)
+        self.rounds = 0  # decode rounds run by the last generate (steps <= rounds * steps_per_round)
+        self.capacities: list[int] = []  # the cache capacity of each of those rounds
+        self.prefills = 0  # prefill calls of the last generate
+        self.load(model)
+
+    def load(self, model) -> None:
+        """Use these weights from now on (the learner -> sampler sync hands the prepared model over)."""
+        self.graphdef, self.state = split_model(model)
+        self.model_cfg = nnx.merge(self.graphdef, self.state).cfg
+        if self.config.max_len > self.model_cfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_len={self.config.max_len} exceeds the model's "
+                             f"max_position_embeddings={self.model_cfg.max_position_embeddings}")
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _check(self, prompts):
+        if len(prompts) == 0:
+            raise ValueError("generate: got an empty list of prompts")
+        r, cap = self.cfg.max_new_tokens, self.config.max_len
+        vocab = self.model_cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
+            if len(p) + r > cap:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={r} it needs "
+                                 f"{len(p) + r} cache slots but max_cache_len={cap}")
+            row = np.asarray(p)
+            if ((row < 0) | (row >= vocab)).any():
+                raise ValueError(f"generate: prompt {i} has token ids {row[(row < 0) | (row >= vocab)][:5].tolist()} "
+                                 f"outside [0, {vocab})")
+
+    def _capacity(self, need: int) -> int:
+        cap = bucket_length(need)
+        return min(cap, -(-self.config.max_len // kvc.BLOCK) * kvc.BLOCK)
+
+    # ------------------------------------------------------------------------------------------ generate
+    def generate(self, prompts: Sequence[Sequence[int]], key, *, n: int = 1) -> SampleOutput:
+        """`n` samples of each prompt; row i * n + j is sample j of prompt i (its request id)."""
+        self._check(prompts)
+        c, st, s = self.config, self.st, self.config.max_slots
+        temperature, top_p, stop_s = _hyper(self.cfg)
+        r = st.max_new_tokens
+        num = len(prompts) * n
+        kv_format, dtype = self.policy.kv_cache, jnp.dtype(self.model_cfg.dtype)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        cap = self._capacity(int(lens.max()) + 1)
+        slots = _empty_slots(self.model_cfg, s, cap, st, kv_format, dtype)
+        out_tok = np.full((num, r), self.pad_id, np.int32)
+        out_logp = np.zeros((num, r), np.float32)
+        out_len = np.zeros(num, np.int32)
+
+        pending = collections.deque(range(len(prompts)))  # prompts not prefilled yet
+        waiting: collections.deque = collections.deque()  # (prefill batch, row, prompt, next sample)
+        free = list(range(s))
+        owner = {}  # slot -> request id
+        host_len = np.zeros(s, np.int64)  # tokens each occupied slot holds after the last round (host mirror)
+        done_reqs = 0
+        self.rounds, self.capacities, self.prefills = 0, [], 0
+        while done_reqs < num:
+            # Admit waiting samples into free slots (static mode: only into an empty engine).
+            if free and (c.continuous or len(free) == s):
+                targets: dict[int, list] = {}
+                while free and (waiting or pending):
+                    if not waiting:
+                        batch_prompts = [pending.popleft() for _ in range(min(c.prefill_batch, len(pending)))]
+                        pre = self._prefill(prompts, batch_prompts, slots)
+                        waiting.extend([pre, row, i, 0] for row, i in enumerate(batch_prompts))
+                    entry = waiting[0]
+                    pre, row, i, j = entry
+                    slot = free.pop(0)
+                    req = i * n + j
+                    targets.setdefault(id(pre), [pre, []])[1].append((slot, row, req))
+                    owner[slot] = req
+                    host_len[slot] = len(prompts[i])
+                    entry[3] = j + 1
+                    if j + 1 == n:
+                        waiting.popleft()
+                for pre, items in targets.values():
+                    need = int(host_len[[t[0] for t in items]].max()) + 1
+                    if need > slots.cache.max_len or pre[0].max_len > slots.cache.max_len:
+                        slots = _resize(slots, capacity=self._capacity(max(need, pre[0].max_len)))
+                    slot_m = np.full(s, s, np.int32)
+                    row_m = np.zeros(s, np.int32)
+                    req_m = np.zeros(s, np.int32)
+                    for m, (slot, row, req) in enumerate(items):
+                        slot_m[m], row_m[m], req_m[m] = slot, row, req
+                    slots = _insert(slots, pre[0], pre[1], jnp.asarray(slot_m), jnp.asarray(row_m),
+                                    jnp.asarray(req_m), key, top_p, stop_s, st=st)
+            # Capacity for this round: the longest held sequence plus the round's tokens.
+            occupied = np.array(sorted(owner), np.int64)
+            need = int(host_len[occupied].max()) + c.steps_per_round + 1
+            cap = self._capacity(need)
+            if cap != slots.cache.max_len and (cap > slots.cache.max_len or cap <= slots.cache.max_len // 2):
+                slots = _resize(slots, capacity=max(cap, self._capacity(int(host_len[occupied].max()) + 1)))
+            slots = _decode_round(self.graphdef, self.state, slots, key, temperature, top_p, stop_s,
+                                  policy=self.policy, st=st, steps=c.steps_per_round)
+            self.rounds += 1
+            self.capacities.append(slots.cache.max_len)
+            active, n_gen = jax.device_get((slots.active, slots.n_gen))
+            finished = [slot for slot in occupied if not active[slot]]
+            for slot in occupied:
+                host_len[slot] = len(prompts[owner[slot] // n]) + n_gen[slot] - 1
+            if finished:
+                toks, logps = jax.device_get(_harvest(slots, jnp.asarray(finished, jnp.int32)))
+                for k, slot in enumerate(finished):
+                    req = owner.pop(slot)
+                    out_tok[req], out_logp[req], out_len[req] = toks[k], logps[k], n_gen[slot]
+                    free.append(slot)
+                    done_reqs += 1
+                free.sort()
+        mask = np.arange(r)[None, :] < out_len[:, None]
+        p = int(lens.max())
+        ids = np.full((num, p), self.pad_id, np.int32)
+        pmask = np.zeros((num, p), bool)
+        for i, prompt in enumerate(prompts):
+            ids[i * n:(i + 1) * n, p - len(prompt):] = prompt
+            pmask[i * n:(i + 1) * n, p - len(prompt):] = True
+        return SampleOutput(tokens=jnp.asarray(np.where(mask, out_tok, self.pad_id)), lengths=jnp.asarray(out_len),
+                            logprobs=jnp.asarray(np.where(mask, out_logp, 0.0)), mask=jnp.asarray(mask),
+                            prompt_tokens=jnp.asarray(ids), prompt_mask=jnp.asarray(pmask),
+                            prompt_lengths=jnp.asarray(np.repeat(lens, n)),
+                            steps=jnp.int32(int(out_len.max())))
+
+    def _prefill(self, prompts, which, slots: Slots):
+        """Prefill prompts `which` (a fixed batch of `prefill_batch` rows, unused ones padding)."""
+        pb = self.config.prefill_batch
+        p = bucket_length(max(len(prompts[i]) for i in which))
+        ids = np.full((pb, p), self.pad_id, np.int32)
+        mask = np.zeros((pb, p), bool)
+        mask[len(which):, 0] = True  # padding rows hold one token, so every row has a last position
+        for row, i in enumerate(which):
+            ids[row, :len(prompts[i])] = prompts[i]
+            mask[row, :len(prompts[i])] = True
+        temperature, _, _ = _hyper(self.cfg)
+        self.prefills += 1
+        return _prefill(self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), slots.cache.k_scale,
+                        slots.cache.v_scale, temperature, policy=self.policy, capacity=p,
+                        kv_format=self.policy.kv_cache)
 
 
 def split_model(model_or_split):
@@ -260,40 +433,17 @@ def split_model(model_or_split):
     return nnx.split(model_or_split)
 
 
-def prefill(graphdef, state, batch: PromptBatch, cfg: SamplingConfig, *, policy: PrecisionPolicy, key,
-            pad_id: int) -> DecodeState:
-    """Run the prompts through the model into a fresh cache of batch.cache_len slots and draw the first token."""
-    temperature, top_p, _ = _hyper(cfg)
-    return _prefill(graphdef, state, jnp.asarray(batch.ids_bp), jnp.asarray(batch.mask_bp), key, temperature,
-                    top_p, policy=policy, st=_static(cfg, pad_id), cache_len=batch.cache_len)
-
-
-def decode(graphdef, state, dstate: DecodeState, batch: PromptBatch, cfg: SamplingConfig, *,
-           policy: PrecisionPolicy, key, pad_id: int) -> SampleOutput:
-    """The compiled decode loop after `prefill` (consumes dstate: its cache is donated)."""
-    temperature, top_p, stop_s = _hyper(cfg)
-    p_bucket = batch.ids_bp.shape[1]
-    toks, lengths, logps, mask, steps, _ = _decode(
-        graphdef, state, dstate.cache, dstate.first_token_b, dstate.first_logp_b, jnp.asarray(batch.lengths_b),
-        jnp.int32(p_bucket), key, temperature, top_p, stop_s, policy=policy, st=_static(cfg, pad_id))
-    return SampleOutput(tokens=toks, lengths=lengths, logprobs=logps, mask=mask,
-                        prompt_tokens=jnp.asarray(batch.ids_bp), prompt_mask=jnp.asarray(batch.mask_bp),
-                        prompt_lengths=jnp.asarray(batch.lengths_b), steps=steps)
-
-
 def generate(model_or_split, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
-             policy: PrecisionPolicy | None = None, key: jax.Array, pad_id: int,
-             max_cache_len: int | None = None) -> SampleOutput:
-    """Sample a response for each prompt (lists of token ids, any lengths) with the sampler's policy.
+             policy: PrecisionPolicy | None = None, key: jax.Array, pad_id: int, max_cache_len: int | None = None,
+             n: int = 1, max_slots: int | None = None) -> SampleOutput:
+    """`n` samples of each prompt (lists of token ids, any lengths) with the sampler's policy, through an Engine
+    (slots default: one per request, at most 256); row i * n + j is sample j of prompt i.
 
     Pass a model prepared with `prepare_model(model, policy)` so that weights are quantized once; raw weights
     give the same numbers but quantize at every step. The same key gives the same tokens.
     """
-    policy = policy or PrecisionPolicy()
-    graphdef, state = split_model(model_or_split)
-    model = model_or_split if not isinstance(model_or_split, tuple) else nnx.merge(graphdef, state)
-    model_cfg = getattr(model, "cfg", None)
-    batch = prepare_batch(prompts, pad_id=pad_id, max_new_tokens=cfg.max_new_tokens, max_cache_len=max_cache_len,
-                          vocab_size=getattr(model_cfg, "vocab_size", None))
-    dstate = prefill(graphdef, state, batch, cfg, policy=policy, key=key, pad_id=pad_id)
-    return decode(graphdef, state, dstate, batch, cfg, policy=policy, key=key, pad_id=pad_id)
+    max_len = max_cache_len or bucket_length(max(len(p) for p in prompts) + cfg.max_new_tokens)
+    slots = max_slots or min(len(prompts) * n, 256)
+    engine = Engine(model_or_split, cfg, EngineConfig(max_slots=slots, max_len=max_len), policy=policy,
+                    pad_id=pad_id)
+    return engine.generate(prompts, key, n=n)

@@ -32,38 +32,40 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, (KV,), **nkw)
 
     def __call__(self, x_btd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, mask_bts: jax.Array | None,
-                 policy: PrecisionPolicy | None = None, *, cache: kvc.KVCache | None = None, cache_index=None,
-                 new_mask_bt: jax.Array | None = None):
-        """Self-attention over the T new tokens (no cache), or over all cache slots after writing them.
+                 policy: PrecisionPolicy | None = None, *, cache: kvc.KVCache | None = None,
+                 slot_bt: jax.Array | None = None, new_mask_bt: jax.Array | None = None):
+        """Self-attention over the T new tokens (no cache), or, with a cache, over each row's cached slots after
+        writing the new tokens to slots slot_bt (their rows' next free slots).
 
-        mask_bts: bool [B, T, S] (S = T without a cache), True where query t may attend to key s.
+        mask_bts: bool [B, T, S] (no cache only), True where query t may attend to key s.
         Returns y_btd, or (y_btd, cache) when a cache is given.
         """
         q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd, policy)), cos_bth, sin_bth)
         k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd, policy)), cos_bth, sin_bth)
         v_btkh = self.v_proj(x_btd, policy)
+        q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
         if cache is not None:
             i, hr = self.layer, cache.fp8_headroom
-            k_all, k_scale = kvc.write_layer(cache.k, cache.k_scale, i, k_btkh, new_mask_bt, cache_index, hr)
-            v_all, v_scale = kvc.write_layer(cache.v, cache.v_scale, i, v_btkh, new_mask_bt, cache_index, hr)
-            cache = cache.replace(k=k_all, v=v_all, k_scale=k_scale, v_scale=v_scale)
-            k_bskh = kvc.read_layer(k_all, k_scale, i, q_btnh.dtype)
-            v_bskh = kvc.read_layer(v_all, v_scale, i, q_btnh.dtype)
-        else:
-            k_bskh, v_bskh = k_btkh, v_btkh
-        q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
+            k_buf, k_scale = kvc.write_slots(cache.k[i], cache.k_scale[i], k_btkh, new_mask_bt, slot_bt, hr)
+            v_buf, v_scale = kvc.write_slots(cache.v[i], cache.v_scale[i], v_btkh, new_mask_bt, slot_bt, hr)
+            cache = cache.replace(k=cache.k[:i] + (k_buf,) + cache.k[i + 1:],
+                                  v=cache.v[:i] + (v_buf,) + cache.v[i + 1:],
+                                  k_scale=cache.k_scale.at[i].set(k_scale), v_scale=cache.v_scale.at[i].set(v_scale))
+            out_btnh = kvc.cached_attention(q_btnh, kvc.read(k_buf, k_scale, q_btnh.dtype),
+                                            kvc.read(v_buf, v_scale, q_btnh.dtype), slot_bt,
+                                            scale=self.head_dim**-0.5)
+            return self.o_proj(out_btnh, policy), cache
         t = q_btnh.shape[1]
-        if cache is None and self.attn_chunk and t > self.attn_chunk and mask_bts is not None:
+        if self.attn_chunk and t > self.attn_chunk and mask_bts is not None:
             # Long learner sequences: never materialize the [B, N, T, T] scores (20k-token responses).
-            out_btnh = chunked_attention(q_btnh, k_bskh, v_bskh, mask_bts, scale=self.head_dim**-0.5,
+            out_btnh = chunked_attention(q_btnh, k_btkh, v_btkh, mask_bts, scale=self.head_dim**-0.5,
                                          q_chunk=self.attn_chunk, k_chunk=2 * self.attn_chunk)
         else:
             out_btnh = jax.nn.dot_product_attention(
-                q_btnh, k_bskh, v_bskh, mask=None if mask_bts is None else mask_bts[:, None, :, :],
+                q_btnh, k_btkh, v_btkh, mask=None if mask_bts is None else mask_bts[:, None, :, :],
                 scale=self.head_dim**-0.5,
             )
-        y_btd = self.o_proj(out_btnh, policy)
-        return y_btd if cache is None else (y_btd, cache)
+        return self.o_proj(out_btnh, policy)
 
 
 def causal_padding_mask(q_slot_bt: jax.Array, k_slot_bs: jax.Array, k_valid_bs: jax.Array) -> jax.Array:

@@ -1,9 +1,17 @@
-"""Preallocated KV cache [L, B, S, KVH, Dh] in bf16/float32, or FP8 (E4M3) with a per-layer per-tensor scale.
+"""KV cache for decoding: one buffer per layer, [B, KVH, S, Dh], rows filled from slot 0, and per-row lengths.
 
-FP8 scale rule: a layer's scale is set by the first write into it (scale == 0 marks "unset"), as
-amax(real tokens of that write) * headroom / 448, so the prefill sets it with `headroom` (default 2x) of room for
-later tokens; every later write reuses the scale and clips to +-448 before the cast (numerics.md, FP8 per-tensor).
-A calibrated scale can be fixed up front with `init_kv_cache(..., fp8_scale=s)`.
+Layout: each layer's keys and values are their own buffer (a loop-carried tuple updates every buffer in place;
+slicing a layer out of one stacked [L, ...] array copies it every step), and heads come before slots, the layout
+the attention contractions read directly ('bkgd,bksd->bkgs', 'bkgs,bksd->bkgd'): no per-step transpose.
+
+Rows hold their tokens at slots [0, lengths[b]); new tokens go to slots lengths[b] + t (a scatter, so every row
+can sit at its own position: the rollout engine's slots). Bad or pad tokens of a write (mask 0) must come after
+its real ones (right padding): only the real ones advance the row's length.
+
+FP8 (E4M3) stores a per-layer per-tensor scale set by the first write into the layer (scale == 0 marks "unset"),
+as amax(real tokens of that write) * headroom / 448, so the prefill sets it with `headroom` (default 2x) of room
+for later tokens; every later write reuses it and clips to +-448 before the cast
+(docs/numerics.md#fp8-per-tensor-and-the-kv-cache). A calibrated scale can be fixed with `fp8_scale=s`.
 """
 
 from __future__ import annotations
@@ -18,30 +26,35 @@ F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 KV_FORMATS = ("bf16", "f32", "fp8")
+BLOCK = 64  # cache capacity granule: attention reduces over fixed 64-slot blocks (see `cached_attention`)
 
 
 @struct.dataclass
 class KVCache:
-    """k, v: [L, B, S, KVH, Dh]; k_scale, v_scale: float32 [L] (1.0 and unused unless fp8); valid_bs: bool [B, S]."""
+    """k, v: per-layer tuples of [B, KVH, S, Dh]; k_scale, v_scale: float32 [L] (1.0 unless fp8); lengths: [B]."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     k_scale: jax.Array
     v_scale: jax.Array
-    valid_bs: jax.Array
+    lengths: jax.Array  # int32 [B]: tokens each row holds (at slots [0, lengths))
     fp8_headroom: float = struct.field(pytree_node=False, default=2.0)
 
     @property
     def is_fp8(self) -> bool:
-        return self.k.dtype == FP8
+        return self.k[0].dtype == FP8
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str = "bf16", dtype=None,
@@ -59,12 +72,12 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str 
     else:
         store = jnp.dtype(dtype) if dtype is not None else (F32 if kv_format == "f32" else jnp.bfloat16)
         scale0 = 1.0
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    scales = jnp.full((cfg.num_hidden_layers,), scale0, F32)
-    return KVCache(
-        k=jnp.zeros(shape, store), v=jnp.zeros(shape, store), k_scale=scales, v_scale=scales,
-        valid_bs=jnp.zeros((batch, max_len), bool), fp8_headroom=float(fp8_headroom),
-    )
+    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    layers = cfg.num_hidden_layers
+    scales = jnp.full((layers,), scale0, F32)
+    return KVCache(k=tuple(jnp.zeros(shape, store) for _ in range(layers)),
+                   v=tuple(jnp.zeros(shape, store) for _ in range(layers)), k_scale=scales, v_scale=scales,
+                   lengths=jnp.zeros((batch,), jnp.int32), fp8_headroom=float(fp8_headroom))
 
 
 def fp8_write_scale(current: jax.Array, x_btkh: jax.Array, mask_bt: jax.Array, headroom: float) -> jax.Array:
@@ -79,25 +92,64 @@ def quantize_fp8_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.clip(x.astype(F32) / scale, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
-def write_layer(cache_lbskh: jax.Array, scales_l: jax.Array, layer: int, new_btkh: jax.Array, mask_bt: jax.Array,
-                index, headroom: float) -> tuple[jax.Array, jax.Array]:
-    """Write the T new keys (or values) of one layer at slots [index, index+T); returns (cache, scales)."""
-    if cache_lbskh.dtype == FP8:
-        scale = fp8_write_scale(scales_l[layer], new_btkh, mask_bt, headroom)
-        scales_l = scales_l.at[layer].set(scale)
+def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask_bt: jax.Array,
+                slot_bt: jax.Array, headroom: float) -> tuple[jax.Array, jax.Array]:
+    """Write the T new keys (or values) of one layer to slots slot_bt[b, t] of row b; returns (buffer, scale).
+
+    Pad tokens (mask 0) are written too (harmless: they sit at or past the row's new length, which they do not
+    advance); a slot past the capacity is dropped.
+    """
+    if buf_bksh.dtype == FP8:
+        scale = fp8_write_scale(scale, new_btkh, mask_bt, headroom)
         stored = quantize_fp8_kv(new_btkh, scale)
     else:
-        stored = new_btkh.astype(cache_lbskh.dtype)
-    zero = jnp.zeros((), jnp.int32)
-    cache_lbskh = jax.lax.dynamic_update_slice(
-        cache_lbskh, stored[None], (jnp.int32(layer), zero, jnp.asarray(index, jnp.int32), zero, zero)
-    )
-    return cache_lbskh, scales_l
+        stored = new_btkh.astype(buf_bksh.dtype)
+    rows_b1 = jnp.arange(buf_bksh.shape[0], dtype=jnp.int32)[:, None]
+    # Advanced indices (rows, slots) around the head slice: the update is indexed [B, T, KVH, Dh], as new_btkh is.
+    return buf_bksh.at[rows_b1, :, slot_bt].set(stored, mode="drop"), scale
 
 
-def read_layer(cache_lbskh: jax.Array, scales_l: jax.Array, layer: int, dtype) -> jax.Array:
-    """One layer's keys (or values) [B, S, KVH, Dh] in the compute dtype (dequantized when fp8)."""
-    x = cache_lbskh[layer]
-    if x.dtype == FP8:
-        return (x.astype(F32) * scales_l[layer]).astype(dtype)
-    return x.astype(dtype)
+def read(buf_bksh: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """One layer's keys (or values) [B, KVH, S, Dh] in the compute dtype (dequantized when fp8)."""
+    if buf_bksh.dtype == FP8:
+        return (buf_bksh.astype(F32) * scale).astype(dtype)
+    return buf_bksh.astype(dtype)
+
+
+def resize(cache: KVCache, max_len: int) -> KVCache:
+    """The same cache with capacity `max_len` (zero-padded or cut; every row must fit: lengths <= max_len)."""
+    s = cache.max_len
+
+    def fit(x):
+        if max_len >= s:
+            return jnp.pad(x, ((0, 0), (0, 0), (0, max_len - s), (0, 0)))
+        return x[:, :, :max_len]
+
+    return cache.replace(k=tuple(fit(x) for x in cache.k), v=tuple(fit(x) for x in cache.v))
+
+
+def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_slot_bt: jax.Array,
+                     scale: float) -> jax.Array:
+    """Causal attention of T new queries (at slots q_slot_bt) over the cache rows: out [B, T, N, Dh].
+
+    A query sees the slots <= its own (rows are filled from slot 0, so that is exactly its real context). GQA by
+    grouping the N query heads per KV head, float32 scores and softmax. The sums over slots run per 64-slot block,
+    then over blocks: a row's result is the same bits whatever the capacity S (a multiple of 64) its cache has,
+    so a longer length bucket, or another slot's longer sequence, never changes a token's numbers.
+    """
+    b, t, n, h = q_btnh.shape
+    kvh, s = k_bksh.shape[1], k_bksh.shape[2]
+    if s % BLOCK:
+        raise ValueError(f"cached_attention: cache capacity {s} is not a multiple of {BLOCK}")
+    g = n // kvh
+    q_bkgth = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).astype(F32)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh.astype(F32)) * scale
+    visible_bts = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= q_slot_bt[:, :, None]
+    scores = jnp.where(visible_bts[:, None, None], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - m).reshape(b, kvh, g, t, s // BLOCK, BLOCK)
+    pv = jnp.einsum("bkgtnc,bkncd->bkgtnd", p, v_bksh.astype(F32).reshape(b, kvh, s // BLOCK, BLOCK, h))
+    num = jnp.sum(pv, axis=4)  # over blocks (a non-minor axis: one sequential sum per output)
+    den = jnp.sum(jnp.sum(p, axis=-1)[..., None], axis=4)
+    out_bkgth = num / den
+    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)

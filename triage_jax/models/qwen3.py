@@ -43,14 +43,14 @@ class DecoderLayer(nnx.Module):
             self.moe, self.mlp = None, MLP(cfg, layer, rngs=rngs)
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, token_mask_bt, policy=None, *, cache=None,
-                 cache_index=None):
+                 slot_bt=None):
         """Pre-norm attention and FFN residual blocks -> (x_btd, RouterStats | None, cache | None)."""
         h_btd = self.input_norm(x_btd)
         if cache is None:
             a_btd = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy)
         else:
-            a_btd, cache = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy, cache=cache,
-                                     cache_index=cache_index, new_mask_bt=token_mask_bt)
+            a_btd, cache = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy, cache=cache, slot_bt=slot_bt,
+                                     new_mask_bt=token_mask_bt)
         x_btd = x_btd + a_btd
         h_btd = self.post_attention_norm(x_btd)
         stats = None
@@ -107,13 +107,14 @@ class Qwen3(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, policy=None, cache=None,
-                 cache_index=None, return_hidden=False, return_aux=False):
+                 return_hidden=False, return_aux=False):
         """Logits [B, T, V] float32 (or final-norm hidden states if return_hidden).
 
         No cache: causal self-attention over the T tokens; attention_mask_bt (1 = real) hides pads, and default
         positions are cumsum(mask) - 1 (so left padding is handled), or arange(T) without a mask.
-        With a cache: the T new tokens go to slots [cache_index, cache_index + T) of every row; queries see valid
-        slots <= their own; returns (out, new_cache). Default positions count the valid slots before each token.
+        With a cache (models.kv_cache): row b's T new tokens go to slots cache.lengths[b] + t, its real ones
+        (mask 1, before any pad) advance cache.lengths; queries see their row's slots up to their own, and the
+        positions are the slots. Returns (out, new_cache).
         return_aux appends {"moe_aux_loss": unscaled HF load-balancing loss (0 for dense)} to the outputs.
         """
         cfg = self.cfg
@@ -121,31 +122,24 @@ class Qwen3(nnx.Module):
         mask_bt = (jnp.ones((b, t), bool) if attention_mask_bt is None else attention_mask_bt.astype(bool))
         if mask_bt.shape != (b, t):
             raise ValueError(f"attention_mask_bt {mask_bt.shape} does not match input_ids_bt {(b, t)}")
+        slot_bt = None
         if cache is None:
-            if cache_index is not None:
-                raise ValueError("cache_index given without a cache")
             slot_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             if positions_bt is None:
                 positions_bt = (slot_bt if attention_mask_bt is None
                                 else jnp.maximum(jnp.cumsum(mask_bt, axis=1) - 1, 0))
             mask_bts = causal_padding_mask(slot_bt, slot_bt, mask_bt)
+            slot_bt = None
         else:
-            if cache_index is None:
-                raise ValueError("a cache needs cache_index (the first slot the new tokens are written to)")
             if cache.batch != b:
                 raise ValueError(f"cache batch {cache.batch} != input batch {b}")
-            if isinstance(cache_index, int) and cache_index + t > cache.max_len:
-                raise ValueError(f"cache overflow: slots [{cache_index}, {cache_index + t}) exceed the cache "
-                                 f"length {cache.max_len}")
-            idx = jnp.asarray(cache_index, jnp.int32)
-            slot_s = jnp.arange(cache.max_len, dtype=jnp.int32)
+            if t > cache.max_len:
+                raise ValueError(f"cache overflow: {t} new tokens exceed the cache length {cache.max_len}")
+            slot_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
             if positions_bt is None:
-                prior_b = jnp.sum(cache.valid_bs & (slot_s[None, :] < idx), axis=1)
-                positions_bt = prior_b[:, None] + jnp.maximum(jnp.cumsum(mask_bt, axis=1) - 1, 0)
-            valid_bs = jax.lax.dynamic_update_slice(cache.valid_bs, mask_bt, (jnp.int32(0), idx))
-            cache = cache.replace(valid_bs=valid_bs)
-            slot_bt = jnp.broadcast_to(idx + jnp.arange(t, dtype=jnp.int32), (b, t))
-            mask_bts = causal_padding_mask(slot_bt, jnp.broadcast_to(slot_s, (b, cache.max_len)), valid_bs)
+                positions_bt = slot_bt
+            mask_bts = None
+            cache = cache.replace(lengths=cache.lengths + jnp.sum(mask_bt, axis=1, dtype=jnp.int32))
         if positions_bt.shape != (b, t):
             raise ValueError(f"positions_bt {positions_bt.shape} does not match input_ids_bt {(b, t)}")
 
@@ -154,7 +148,7 @@ class Qwen3(nnx.Module):
         stats = []
         if cfg.scan_layers:
             x_btd, st, cache = _scan_layers(self.layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg,
-                                            cache, cache_index)
+                                            cache, slot_bt)
             if st is not None:
                 stats.append(jax.tree.map(lambda a: jnp.sum(a, axis=0), st))  # pooled over layers, as HF does
         else:
@@ -163,7 +157,7 @@ class Qwen3(nnx.Module):
                     x_btd, st = _remat_layer(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg.remat)
                 else:
                     x_btd, st, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
-                                             cache_index=cache_index)
+                                             slot_bt=slot_bt)
                 if st is not None:
                     stats.append(st)
         h_btd = self.final_norm(x_btd)
@@ -213,7 +207,7 @@ def check_uniform_policy(policy: PrecisionPolicy | None, num_layers: int) -> Non
                                  f"layers.{i}.{sub} a different one than layers.0.{sub}")
 
 
-def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg, cache, cache_index):
+def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg, cache, slot_bt):
     check_uniform_policy(policy, cfg.num_hidden_layers)
     if cache is None:
         def body(layer, x_btd):
@@ -234,13 +228,14 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     def step_cached(x_btd, layer, kv):
         # A one-layer view of the cache (the scanned attention modules all have layer index 0).
-        one = cache.replace(k=kv[0][None], v=kv[1][None], k_scale=kv[2][None], v_scale=kv[3][None])
-        x_btd, st, one = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=one,
-                               cache_index=cache_index)
+        one = cache.replace(k=(kv[0],), v=(kv[1],), k_scale=kv[2][None], v_scale=kv[3][None])
+        x_btd, st, one = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=one, slot_bt=slot_bt)
         return x_btd, (st, (one.k[0], one.v[0], one.k_scale[0], one.v_scale[0]))
 
-    x_btd, (st, (k, v, ks, vs)) = step_cached(x_btd, layers, (cache.k, cache.v, cache.k_scale, cache.v_scale))
-    return x_btd, st, cache.replace(k=k, v=v, k_scale=ks, v_scale=vs)
+    # Scanning needs the layers stacked (a copy per call: the trainer's sampler runs the layers unrolled).
+    xs = (jnp.stack(cache.k), jnp.stack(cache.v), cache.k_scale, cache.v_scale)
+    x_btd, (st, (k, v, ks, vs)) = step_cached(x_btd, layers, xs)
+    return x_btd, st, cache.replace(k=tuple(k), v=tuple(v), k_scale=ks, v_scale=vs)
 
 
 def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
