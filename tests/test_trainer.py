@@ -64,13 +64,35 @@ def test_run_writes_logs_checkpoint_summary(tmp_path):
     assert json.load(open(os.path.join(c.run_dir, "config.json")))["rl"]["group_size"] == 4
 
 
+def _tb_events(tb_dir):
+    import glob
+
+    from tensorboardX.proto import event_pb2
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    from common import _records
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))):
+        out.append([event_pb2.Event.FromString(r) for r in _records(path)])
+    return out
+
+
 def test_resume_is_exact(tmp_path):
     full = Trainer(small_config(tmp_path / "a")).run()
     c = small_config(tmp_path / "b")
-    Trainer(c).run(max_steps=2)  # "killed" after the checkpoint at step 2
+    Trainer(c).run(max_steps=3)  # checkpoints at 2 and 3; step 3 logged ...
+    import shutil
+
+    shutil.rmtree(os.path.join(c.run_dir, "checkpoints", "3"))  # ... then "killed" before its checkpoint landed
     resumed = Trainer(c)
     assert resumed.restore() and resumed.step == 2
     rest = resumed.run(resume=False)
+    # TensorBoard: the second event file purges what the first logged after step 2 (its step 3 is logged again).
+    first, second = _tb_events(os.path.join(c.run_dir, "tb"))
+    assert 3 in {e.step for e in first if e.summary.value}
+    starts = [e.step for e in second if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+    assert starts == [3]
     def untimed(m):
         return {k: v for k, v in m.items() if not k.startswith("time/")}
 
@@ -177,3 +199,107 @@ def test_no_kept_group_takes_no_step_and_logs_nan(tmp_path, monkeypatch):
     scalars = read_scalars(os.path.join(c.run_dir, "tb"))
     assert np.isnan(scalars["learner/clipfrac"][1]).all()  # logged as NaN, not dropped
     assert scalars["learner/empty_minibatches"][1].tolist() == [2.0]
+
+
+def test_nonfinite_message_names_a_finite_checkpoint_and_failure_save_refuses_nan(tmp_path):
+    """lr-style poison never reaches disk: the streak error names the newest (finite) checkpoint, and a failure
+    whose state is non-finite saves nothing (before: the poisoned state became the newest checkpoint, or the
+    save clashed with the existing step and hid the original error)."""
+    from triage_jax.checkpoint import NoUsableCheckpointError, abstract_like, is_finite
+
+    c = small_config(tmp_path, **{"train.max_nonfinite": 2, "train.ckpt_every": 1, "train.steps": 6})
+    tr = Trainer(c)
+    tr.run(max_steps=1)
+    assert tr.ckpt.all_steps() == [1]
+    real_rollout = tr.rollout
+
+    def poisoned(key):
+        ro, s, secs = real_rollout(key)
+        ro.adv[:] = np.nan
+        return ro, s, secs
+
+    tr.rollout = poisoned
+    with pytest.raises(NonFiniteError, match=r"newest checkpoint \(finite\) is step 1 in .*checkpoints"):
+        tr.run(resume=False)
+    assert tr.ckpt.all_steps() == [1]
+    # A state poisoned some other way, then a failure before any update: nothing is saved, the error is the
+    # step's own (not a checkpoint clash).
+    tr.learner.params = jax.tree.map(lambda x: x * jnp.nan, tr.learner.params)
+
+    def boom(key):
+        raise RuntimeError("boom")
+
+    tr.rollout = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        tr.run(resume=False)
+    assert tr.ckpt.all_steps() == [1]
+    step, state, _ = tr.ckpt.restore(abstract_like(tr._state()))
+    assert step == 1 and is_finite(state)
+    # Every checkpoint unusable: a clear error naming the folder and the flag that starts over.
+    import pathlib
+
+    for f in pathlib.Path(tr.ckpt.directory, "1").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(NoUsableCheckpointError, match=r"checkpoints.*--noresume"):
+        tr.restore()
+    with pytest.raises(NoUsableCheckpointError, match="--noresume"):  # also on the next start
+        tr.restore()
+
+
+def _dapo_file(path, prompts):
+    with open(path, "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": p}], "reward_model": {"ground_truth": "7"},
+                                "extra_info": {"index": i}}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("bad, match", [("x" * 40, r"sampler\.max_prompt_len: 1 of 3 prompts are longer than 32"),
+                                        ("caf\u00e9 ?", r"config\.tokenizer: prompt 'dapo-2'.*cannot be encoded")])
+def test_dapo_prompts_fail_before_any_checkpoint_or_compile(tmp_path, bad, match):
+    from triage_jax.config import ConfigError
+
+    c = small_config(tmp_path, **{"data.source": "dapo", "data.template": "dapo",
+                                  "data.path": _dapo_file(tmp_path / "d.jsonl", ["1+6?", "2+5?", bad])})
+    with pytest.raises(ConfigError, match=match):
+        Trainer(c)
+    assert not os.path.exists(os.path.join(c.run_dir, "checkpoints"))
+
+
+def _main_args(tmp_path, *extra):
+    return [sys.executable, "-m", "triage_jax.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path / 'run'}",
+            f"--config.warmup.cache_dir={tmp_path / 'warm'}", "--config.warmup.steps=2",
+            "--config.warmup.batch_size=4", "--config.rl.num_prompts=2", "--config.rl.group_size=4",
+            "--config.rl.mini_batch=8", "--config.rl.micro_batch=4", "--config.train.progress=False",
+            "--config.sampler.max_new_tokens=8", "--config.rl.max_resample=0", *extra]
+
+
+def test_sigterm_during_startup_exits_cleanly(tmp_path):
+    """Before: killed by the signal (exit -15). Now: nothing saved, exit 0, one line saying so."""
+    import time
+
+    proc = subprocess.Popen(_main_args(tmp_path, "--config.train.steps=3"), cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(4.0)  # imports / validation / building: before the first step
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "during start-up: nothing saved" in err or "before the first step" in err, err[-3000:]
+    ck = tmp_path / "run" / "checkpoints"
+    assert not ck.exists() or not [d for d in os.listdir(ck) if d.isdigit()]
+
+
+@pytest.mark.parametrize("case", ["data", "missing_config"])
+def test_cli_errors_are_one_line(tmp_path, case):
+    if case == "data":
+        bad = tmp_path / "d.jsonl"
+        bad.write_text("not json\n" * 10)
+        args = _main_args(tmp_path, "--config.data.source=dapo", f"--config.data.path={bad}")
+        want = "error: DAPO-Math file"
+    else:
+        args = [sys.executable, "-m", "triage_jax.main", "--config=configs/nope.py"]
+        want = "error: config file 'configs/nope.py' not found"
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and want in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -7,6 +7,8 @@ loads the model, runs GRPO, and prints a start-vs-end summary table.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 
 from absl import app, flags
@@ -15,6 +17,19 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/NAME.py).",
                                           lock_config=True)
 _RESUME = flags.DEFINE_bool("resume", True, "Resume from the newest checkpoint in run_dir when one exists.")
+_TRACEBACK = flags.DEFINE_bool("traceback", False, "Show the full traceback of a config, data or checkpoint error "
+                               "instead of its one-line message.")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user acts on from their message alone: printed as one `error:` line (no traceback)."""
+    from triage_jax.checkpoint import CheckpointError
+    from triage_jax.config import ConfigError
+    from triage_jax.data.records import DataError
+    from triage_jax.models.hf_io import HFCheckpointError
+    from triage_jax.trainer import NonFiniteError
+
+    return ConfigError, DataError, CheckpointError, HFCheckpointError, NonFiniteError
 
 
 def print_summary(summary: dict) -> None:
@@ -33,9 +48,16 @@ def print_summary(summary: dict) -> None:
     Console().print(table)
 
 
+def _startup_sigterm(signum, frame):
+    """SIGTERM before the trainer exists: nothing was written yet; exit cleanly."""
+    print(f"signal {signum} received during start-up: nothing saved, exiting", file=sys.stderr)
+    sys.exit(0)
+
+
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _startup_sigterm)  # the Trainer takes over once it is being built
     from triage_jax.config import ConfigError, validate
 
     c = _CONFIG.value
@@ -50,10 +72,24 @@ def main(argv) -> None:
     from triage_jax import distributed
 
     distributed.initialize()  # multi-host: before any JAX work; a no-op on one host
-    from triage_jax.trainer import Trainer
+    from triage_jax.trainer import Interrupted, Trainer
 
-    trainer = Trainer(c)
-    trainer.run(resume=_RESUME.value)
+    errors = _user_errors()
+    try:
+        trainer = Trainer(c)
+        trainer.run(resume=_RESUME.value)
+    except Interrupted as e:
+        print(f"{e}, exiting", file=sys.stderr)
+        sys.exit(0)
+    except errors as e:
+        if _TRACEBACK.value:
+            raise
+        from triage_jax.config import ConfigError as _CE
+        from triage_jax.data.records import DataError
+
+        print(f"error: {e}", file=sys.stderr)
+        print("(rerun with --traceback for the full traceback)", file=sys.stderr)
+        sys.exit(2 if isinstance(e, (_CE, DataError)) else 1)
     s = trainer.summary()
     if s:
         print_summary(s)
@@ -84,7 +120,25 @@ def check_override_keys(argv: list[str]) -> None:
             node = node[part]
 
 
+def check_config_file(argv: list[str]) -> None:
+    """A missing `--config` file says so (config_flags would fail with a long OSError chain)."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg[len("--config="):]
+        else:
+            continue
+        path = path.split(":", 1)[0]  # configs/NAME.py:variant
+        if not path:
+            sys.exit("error: --config is empty: pass --config=configs/NAME.py")
+        if not os.path.isfile(path):
+            sys.exit(f"error: config file {path!r} not found (pass --config=configs/NAME.py; shipped: "
+                     f"{sorted(f for f in os.listdir('configs') if f.endswith('.py')) if os.path.isdir('configs') else []})")
+
+
 def run() -> None:
+    check_config_file(sys.argv[1:])
     check_override_keys(sys.argv[1:])
     app.run(main)
 

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from flax import nnx
 from triage_jax import build, sampler
 from triage_jax import checkpoint as ckpt_lib
 from triage_jax import rollout as rollout_lib
-from triage_jax.config import validate
+from triage_jax.config import ConfigError, validate
 from triage_jax.data import pipeline
 from triage_jax.data.synthetic import SyntheticMathSource
 from triage_jax.learner import nonfinite_count
@@ -34,7 +35,11 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
-    """Too many consecutive updates had a non-finite loss or gradient."""
+    """Too many consecutive updates had a non-finite loss, gradient or new state."""
+
+
+class Interrupted(Exception):
+    """SIGTERM/SIGINT arrived during start-up (before the first step): nothing was saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,12 @@ class Trainer:
     def __init__(self, c: ml_collections.ConfigDict, *, progress: bool | None = None):
         validate(c)
         self.cfg = c
+        # SIGTERM from here on is recorded: during start-up it stops at the next phase boundary with nothing
+        # saved (Interrupted); during the loop it finishes the step, saves and exits.
+        self._stop_signal = None
+        self._prev_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self.progress = c.train.progress if progress is None else progress
         self.run_dir = os.path.abspath(c.run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
@@ -63,35 +74,57 @@ class Trainer:
         self.G = c.rl.group_size
         self.N = c.rl.num_prompts * self.G
         self._check_prompts()
+        self._startup_check()
 
         model = build.initial_model(c, self.model_cfg, self.tok, self.source, progress=self.progress)
+        self._startup_check()
         self.n_mini = self.N // c.rl.mini_batch
         self.learner = build.learner(c, model)
         self.ref_params = (jax.tree.map(jnp.copy, self.learner.params) if c.rl.kl_coef else None)
         self.sampler_policy = build.sampler_policy(c)
-        self.scfg = build.sampling(c, self.tok)
+        self.engine = build.engine(c, self.tok)
         self.loader = pipeline.make_prompt_loader(self.source, batch_size=c.rl.num_prompts, seed=c.seed,
                                                   shard_index=jax.process_index(),
                                                   shard_count=jax.process_count())
         self.ckpt = build.checkpointer(c)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        self._stop_signal = None
         self._sync()
+        self._startup_check()
 
     # ---------------------------------------------------------------------------------------------- setup
+    def _startup_check(self):
+        if self._stop_signal is not None:
+            raise Interrupted(f"signal {self._stop_signal} received during start-up: nothing saved")
+
     def _check_prompts(self):
-        """Fail before any compilation if a synthetic prompt cannot fit sampler.max_prompt_len."""
-        if isinstance(self.source, SyntheticMathSource):
-            longest = max(len(self.tok.encode_prompt(self.source[i].prompt)) for i in range(min(len(self.source), 512)))
-            if longest > self.P:
-                raise ValueError(f"config.sampler.max_prompt_len={self.P} is shorter than a {longest}-token prompt")
+        """Fail before any compilation or checkpoint if a prompt cannot be encoded or fit sampler.max_prompt_len:
+        synthetic prompts by a sample (they share one format), file prompts (DAPO) every one."""
+        synthetic = isinstance(self.source, SyntheticMathSource)
+        n = min(len(self.source), 512) if synthetic else len(self.source)
+        too_long, longest = 0, (0, None)
+        for i in range(n):
+            ex = self.source[i]
+            try:
+                length = len(self.tok.encode_prompt(ex.prompt))
+            except Exception as e:  # noqa: BLE001 - any tokenizer failure is a config/data mismatch
+                raise ConfigError(f"config.tokenizer: prompt {getattr(ex, 'uid', i)!r} of config.data.source="
+                                  f"{self.cfg.data.source!r} cannot be encoded ({e})") from None
+            if length > self.P:
+                too_long += 1
+                if length > longest[0]:
+                    longest = (length, getattr(ex, "uid", i))
+        if too_long:
+            raise ConfigError(f"config.sampler.max_prompt_len: {too_long} of {n} prompts are longer than "
+                              f"{self.P} tokens (longest: {longest[0]} tokens, {longest[1]!r}); raise "
+                              f"--config.sampler.max_prompt_len or filter the data")
 
     def _sync(self) -> float:
         """Learner -> sampler weights: quantize once into the sampler's policy. Returns seconds."""
         t0 = time.perf_counter()
         self.sampler_model = sampler.prepare_model(self.learner.model(), self.sampler_policy)
         jax.block_until_ready(nnx.state(self.sampler_model))
+        self.engine.load(self.sampler_model)
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------------------- rollout
@@ -104,7 +137,7 @@ class Trainer:
         def draw(attempt: int) -> rollout_lib.Rollout:
             nonlocal reward_s
             ro, secs = rollout_lib.sample_groups(
-                self.sampler_model, next(self.loader), tok=self.tok, sampling=self.scfg, policy=self.sampler_policy,
+                self.engine, next(self.loader), tok=self.tok,
                 group_size=self.G, prompt_len=self.P, key=jax.random.fold_in(key, attempt),
                 overlong_buffer=c.rl.overlong_buffer, overlong_factor=c.rl.overlong_factor)
             reward_s += secs
@@ -171,17 +204,34 @@ class Trainer:
                     "time/step": total_s})
         streak = int(nonfinite_count(self.learner.opt_state))
         if skipped:
-            log.warning("step %d: %d update(s) skipped for a non-finite loss or gradient (streak %d)",
+            log.warning("step %d: %d update(s) skipped for a non-finite loss, gradient or new state (streak %d)",
                         self.step, skipped, streak)
         if streak >= c.train.max_nonfinite:
-            raise NonFiniteError(f"{streak} consecutive updates had a non-finite loss or gradient (step {self.step}; "
-                                 f"limit config.train.max_nonfinite={c.train.max_nonfinite}); the last good "
-                                 f"checkpoint is in {self.ckpt.directory}")
+            last = self.ckpt.latest_step()
+            # Every checkpoint on disk is finite: saves refuse NaN/Inf and restores verify the fingerprint.
+            where = (f"the newest checkpoint (finite) is step {last} in {self.ckpt.directory}" if last is not None
+                     else f"no checkpoint was written yet under {self.ckpt.directory}")
+            raise NonFiniteError(f"{streak} consecutive updates had a non-finite loss, gradient or new state "
+                                 f"(step {self.step}; limit config.train.max_nonfinite={c.train.max_nonfinite}); "
+                                 f"{where}")
         return StepResult(out, np.asarray(delta)[mask > 0])
 
     # ---------------------------------------------------------------------------------------------- state
     def _state(self) -> dict[str, Any]:
         return {"params": self.learner.params, "opt_state": self.learner.opt_state}
+
+    def _failure_save(self, data_state: dict) -> None:
+        """Save the step boundary a failing step started from: only a finite state, and never in a way that hides
+        the failure (a save error is logged; the caller re-raises the original exception)."""
+        try:
+            self.save(data_state)
+            log.warning("step %d failed; its starting state is saved as checkpoint %d in %s", self.step, self.step,
+                        self.ckpt.directory)
+        except ckpt_lib.NonFiniteStateError:
+            log.error("step %d failed and the state is not finite: nothing saved (newest checkpoint: %s in %s)",
+                      self.step, self.ckpt.latest_step(), self.ckpt.directory)
+        except Exception as e:  # noqa: BLE001 - the step's own error is what the caller raises
+            log.error("step %d failed, and so did saving its starting state: %s", self.step, e)
 
     def save(self, data_state: dict | None = None) -> None:
         meta = {"step": self.step, "data": data_state or self.loader.get_state(), "seed": self.cfg.seed,
@@ -189,9 +239,18 @@ class Trainer:
         self.ckpt.save(self.step, self._state(), json.loads(json.dumps(meta, default=float)))
 
     def restore(self) -> bool:
-        """Resume from the newest usable checkpoint; False when there is none."""
-        got = self.ckpt.restore(ckpt_lib.abstract_like(self._state()))
+        """Resume from the newest usable checkpoint (unusable ones are moved aside); False when there is none.
+        Raises NoUsableCheckpointError when every checkpoint is unusable (rerun with --noresume to start over)."""
+        hint = " Pass --noresume (Trainer.run(resume=False)) to start over from step 0."
+        try:
+            got = self.ckpt.restore(ckpt_lib.abstract_like(self._state()), required_meta=("step", "data"))
+        except ckpt_lib.NoUsableCheckpointError as e:
+            raise ckpt_lib.NoUsableCheckpointError(str(e) + "." + hint) from None
         if got is None:
+            if self.ckpt.unusable():
+                raise ckpt_lib.NoUsableCheckpointError(
+                    f"no usable checkpoint under {self.ckpt.directory}: the ones found earlier were unusable and "
+                    f"moved aside to {self.ckpt.unusable_dir}.{hint}")
             return False
         step, state, meta = got
         self.learner.params, self.learner.opt_state = state["params"], state["opt_state"]
@@ -215,9 +274,19 @@ class Trainer:
         if resume:
             self.restore()
         end = c.train.steps if max_steps is None else min(c.train.steps, self.step + max_steps)
+        on_main = threading.current_thread() is threading.main_thread()
+        prev = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main else None
+        if self._stop_signal is not None:  # arrived during start-up or the restore: nothing to save
+            log.warning("signal %d received before the first step: exiting without saving", self._stop_signal)
+            if on_main:
+                signal.signal(signal.SIGTERM, self._prev_sigterm or signal.SIG_DFL)
+            return self.history
         lead = jax.process_index() == 0  # one host writes logs; checkpoints are collective (orbax)
-        writer = SummaryWriter(os.path.join(self.run_dir, "tb")) if lead else None
-        prev = signal.signal(signal.SIGTERM, self._on_sigterm)
+        tb = os.path.join(self.run_dir, "tb")
+        # Logs of a previous attempt past this step (a crash after its last checkpoint) are purged on resume:
+        # TensorBoard hides every event at or after purge_step written before it (metrics go out at step + 1).
+        purge = self.step + 1 if os.path.isdir(tb) and os.listdir(tb) else None
+        writer = SummaryWriter(tb, purge_step=purge) if lead else None
         bar = None
         if self.progress and lead:
             from tqdm import tqdm
@@ -231,7 +300,7 @@ class Trainer:
                     res = self.train_step()
                 except Exception:
                     if self.learner.version == version:  # no update yet: the step boundary is still resumable
-                        self.save(data_state)
+                        self._failure_save(data_state)
                     raise
                 m = dict(res.metrics)
                 m["step"] = self.step
@@ -251,7 +320,8 @@ class Trainer:
                 if self._stop_signal is not None:
                     break
         finally:
-            signal.signal(signal.SIGTERM, prev)
+            if on_main:
+                signal.signal(signal.SIGTERM, self._prev_sigterm if self._prev_sigterm is not None else prev)
             if writer is not None:
                 writer.close()
             if bar is not None:
