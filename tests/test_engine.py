@@ -21,8 +21,8 @@ def model():
 
 
 def run(model, *, slots, continuous=True, steps=4, n=3, prompts=PROMPTS, key=0, max_len=128, prefill_batch=8):
-    engine = Engine(model, CFG, EngineConfig(max_slots=slots, max_len=max_len, steps_per_round=steps,
-                                             prefill_batch=prefill_batch, continuous=continuous), pad_id=PAD)
+    engine = Engine(CFG, EngineConfig(max_slots=slots, max_len=max_len, steps_per_round=steps,
+                                      prefill_batch=prefill_batch, continuous=continuous), pad_id=PAD, model=model)
     return engine, engine.generate(prompts, jax.random.key(key), n=n)
 
 

@@ -74,6 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sampler.top_k = 0
     c.sampler.max_prompt_len = 32
     c.sampler.max_new_tokens = 24
+    c.sampler.max_slots = 0  # decode slots of the rollout engine (0: one per response of a rollout batch)
+    c.sampler.steps_per_round = 8  # decode steps per host round trip
+    c.sampler.prefill_batch = 8  # prompts prefilled per call
 
     c.learner = ml_collections.ConfigDict()
     c.learner.precision = "bf16"
@@ -161,7 +164,8 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
 
     for key in ("rl.num_prompts", "rl.group_size", "rl.mini_batch", "rl.micro_batch", "train.steps",
-                "sampler.max_new_tokens", "sampler.max_prompt_len"):
+                "sampler.max_new_tokens", "sampler.max_prompt_len", "sampler.steps_per_round",
+                "sampler.prefill_batch"):
         sect, name = key.split(".")
         if int(c[sect][name]) < 1:
             _fail(key, f"must be >= 1, got {c[sect][name]}")
@@ -188,6 +192,12 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         data_axes *= int(c.mesh[a])
     if rl.micro_batch % data_axes:
         _fail("rl.micro_batch", f"{rl.micro_batch} is not divisible by the mesh axes the batch is split over "
+              f"({'*'.join(f'mesh.{a}={c.mesh[a]}' for a in axes)} = {data_axes})")
+    slots = int(c.sampler.max_slots) or batch
+    if c.sampler.max_slots < 0:
+        _fail("sampler.max_slots", f"must be >= 0 (0: one slot per response), got {c.sampler.max_slots}")
+    if slots % data_axes:
+        _fail("sampler.max_slots", f"{slots} decode slots do not split over the mesh axes the batch is split over "
               f"({'*'.join(f'mesh.{a}={c.mesh[a]}' for a in axes)} = {data_axes})")
     if not 0 <= rl.eps_low < 1 or rl.eps_high < 0:
         _fail("rl.eps_low", f"clip range eps_low={rl.eps_low}, eps_high={rl.eps_high} is invalid")

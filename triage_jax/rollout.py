@@ -69,20 +69,21 @@ def layout(prompts: Sequence[Sequence[int]], tokens_nr, mask_nr, *, prompt_len: 
     return ids, attn
 
 
-def sample_groups(model, examples, *, tok, sampling: sampler_lib.SamplingConfig, policy, group_size: int,
-                  prompt_len: int, key, overlong_buffer: int = 0, overlong_factor: float = 1.0,
-                  reward: str = "dapo") -> tuple[Rollout, float]:
-    """G sampled, scored responses of each example (rows grouped by prompt); returns (rollout, scoring seconds).
+def sample_groups(engine: sampler_lib.Engine, examples, *, tok, group_size: int, prompt_len: int, key,
+                  overlong_buffer: int = 0, overlong_factor: float = 1.0, reward: str = "dapo"
+                  ) -> tuple[Rollout, float]:
+    """G sampled, scored responses of each example (rows grouped by prompt; each prompt prefilled once);
+    returns (rollout, scoring seconds).
 
     The reward is the DAPO correctness reward plus, with a buffer, the overlong penalty over L =
-    `sampling.max_new_tokens`; `correct` keeps the bare correctness for dynamic sampling.
+    `engine.cfg.max_new_tokens`; `correct` keeps the bare correctness for dynamic sampling.
     """
-    r = sampling.max_new_tokens
-    prompts = [tok.encode_prompt(ex.prompt) for ex in examples for _ in range(group_size)]
-    if max(map(len, prompts)) > prompt_len:
-        raise ValueError(f"a {max(map(len, prompts))}-token prompt exceeds config.sampler.max_prompt_len={prompt_len}")
-    out = sampler_lib.generate(model, prompts, sampling, policy=policy, key=key, pad_id=tok.pad_id,
-                               max_cache_len=prompt_len + r)
+    r = engine.cfg.max_new_tokens
+    unique = [tok.encode_prompt(ex.prompt) for ex in examples]
+    if max(map(len, unique)) > prompt_len:
+        raise ValueError(f"a {max(map(len, unique))}-token prompt exceeds config.sampler.max_prompt_len={prompt_len}")
+    out = engine.generate(unique, key, n=group_size)
+    prompts = [p for p in unique for _ in range(group_size)]
     tokens = np.asarray(out.tokens)[:, :r]
     mask = np.asarray(out.mask)[:, :r]
     logp = np.asarray(out.logprobs)[:, :r]

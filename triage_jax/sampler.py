@@ -279,8 +279,8 @@ class EngineConfig:
 class Engine:
     """Continuous batching over `config.max_slots` decode slots; `load` a (prepared) model, then `generate`."""
 
-    def __init__(self, model, cfg: SamplingConfig, config: EngineConfig, *, policy: PrecisionPolicy | None = None,
-                 pad_id: int = 0):
+    def __init__(self, cfg: SamplingConfig, config: EngineConfig, *, policy: PrecisionPolicy | None = None,
+                 pad_id: int = 0, model=None):
         self.cfg, self.config = cfg, config
         self.policy = policy or PrecisionPolicy()
         self.st = _static(cfg, pad_id)
@@ -288,7 +288,9 @@ class Engine:
         self.rounds = 0  # decode rounds run by the last generate (steps <= rounds * steps_per_round)
         self.capacities: list[int] = []  # the cache capacity of each of those rounds
         self.prefills = 0  # prefill calls of the last generate
-        self.load(model)
+        self.graphdef = self.state = None
+        if model is not None:
+            self.load(model)
 
     def load(self, model) -> None:
         """Use these weights from now on (the learner -> sampler sync hands the prepared model over)."""
@@ -322,6 +324,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------ generate
     def generate(self, prompts: Sequence[Sequence[int]], key, *, n: int = 1) -> SampleOutput:
         """`n` samples of each prompt; row i * n + j is sample j of prompt i (its request id)."""
+        if self.graphdef is None:
+            raise RuntimeError("Engine.generate before Engine.load(model)")
         self._check(prompts)
         c, st, s = self.config, self.st, self.config.max_slots
         temperature, top_p, stop_s = _hyper(self.cfg)
@@ -444,6 +448,6 @@ def generate(model_or_split, prompts: Sequence[Sequence[int]], cfg: SamplingConf
     """
     max_len = max_cache_len or bucket_length(max(len(p) for p in prompts) + cfg.max_new_tokens)
     slots = max_slots or min(len(prompts) * n, 256)
-    engine = Engine(model_or_split, cfg, EngineConfig(max_slots=slots, max_len=max_len), policy=policy,
-                    pad_id=pad_id)
+    engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=max_len), policy=policy, pad_id=pad_id,
+                    model=model_or_split)
     return engine.generate(prompts, key, n=n)

@@ -69,7 +69,7 @@ _HBM = flags.DEFINE_list("hbm_gb", ["80", "141", "192"], "Accelerator memory siz
 _USABLE = flags.DEFINE_float("usable", 0.9, "Fraction of the HBM the step may use (the rest: runtime, NCCL).")
 _REMAT = flags.DEFINE_enum("remat", "config", ["config", "none", "full", "save_dots", "all"],
                            "Remat policy of the learner step; 'all' compiles and tabulates each.")
-_SEQ = flags.DEFINE_integer("seq_len", 0, "Response length (0: config.rl.max_response_len).")
+_SEQ = flags.DEFINE_integer("seq_len", 0, "Response length (0: config.sampler.max_new_tokens).")
 _PROMPT = flags.DEFINE_integer("prompt_len", 0, "Prompt length (0: config.sampler.max_prompt_len).")
 _MICRO = flags.DEFINE_integer("micro_batch", 0, "Responses in the compiled learner step (0: config.rl.micro_batch, "
                               "raised to the number of batch shards if smaller).")
@@ -153,12 +153,12 @@ def learner_step(c, model_cfg, mesh, n: int, prompt_len: int, resp_len: int, att
     """Compile one mini-batch update of n responses (one micro-batch when n == micro_batch) for the mesh."""
     import contextlib
 
-    from triage_jax.learner import Learner
+    from triage_jax import build
     from triage_jax.models.chunked_attention import long_sequence_attention
 
     if moe_chunk:
         model_cfg = model_cfg.replace(moe_row_chunk=moe_chunk)
-    learner = Learner(abstract_model(model_cfg), c, mesh=mesh, abstract=True)
+    learner = build.learner(c, abstract_model(model_cfg), mesh=mesh, abstract=True)
     t0 = time.perf_counter()
     ctx = long_sequence_attention(q_chunk=q_chunk, k_chunk=k_chunk) if attention == "chunked" else \
         contextlib.nullcontext()
@@ -253,8 +253,8 @@ def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, promp
     c.rl.micro_batch = c.rl.mini_batch = n
     c.rl.num_prompts, c.rl.group_size = n, 1
     c.rl.std_normalize = c.rl.dynamic_sampling = False  # a one-response "group": only the shapes matter here
-    c.rl.max_response_len = max(c.rl.max_response_len, seq_len)
     c.sampler.max_new_tokens = seq_len
+    c.rl.overlong_buffer = min(c.rl.overlong_buffer, seq_len - 1)  # shapes only: keep the config valid
     validate(c, check_paths=False)
     overrides = {"dtype": c.model.dtype, "param_dtype": c.model.param_dtype, "scan_layers": scan_layers}
     if c.model.vocab_size:
@@ -290,7 +290,7 @@ def main(argv) -> None:
     remats = {"config": [c.model.remat], "all": ["none", "full", "save_dots"]}.get(_REMAT.value, [_REMAT.value])
     hbm = [float(h) for h in _HBM.value]
     t0 = time.perf_counter()
-    rows = run(c, mesh_shape, remats=remats, seq_len=_SEQ.value or c.rl.max_response_len,
+    rows = run(c, mesh_shape, remats=remats, seq_len=_SEQ.value or c.sampler.max_new_tokens,
                prompt_len=_PROMPT.value or c.sampler.max_prompt_len, micro=_MICRO.value,
                decode_batch=_DECODE.value, scan_layers=_SCAN.value, with_decode=not _SKIP_DECODE.value,
                attention=_ATTN.value, q_chunk=_QCHUNK.value, k_chunk=_KCHUNK.value,
