@@ -108,7 +108,7 @@ def test_kill_9_mid_save_fast(tmp_path):
     proc.wait(60)
     ck = Checkpointer(str(root), keep=2)
     like = {"w": jnp.zeros((1 << 20,), jnp.float32), "step": jnp.int32(0)}
-    step, state, meta = ck.restore(abstract_like(like), required_meta=("step", "data"))
+    step, state, meta = ck.restore(abstract_like(like), required_meta=("step", "data"), owner=True)
     assert step >= want and meta["step"] == step, f"seed {seed}"
     np.testing.assert_array_equal(np.asarray(state["w"]),
                                   np.asarray(jax.random.normal(jax.random.key(step), (1 << 20,), jnp.float32)))

@@ -15,11 +15,14 @@ Nothing lost, nothing poisoned:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -123,6 +126,53 @@ def _is_disk_full(e: BaseException) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _stderr_kept_on_failure(log_path: str, where: dict):
+    """Hold what is written to fd 2 during a save: passed through on success; on failure (orbax's writer threads
+    and tensorstore's callbacks print hundreds of tracebacks for one full disk) written to `log_path` instead,
+    so the one CheckpointSaveError is what the user sees."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        buf = tempfile.TemporaryFile()
+        os.dup2(buf.fileno(), 2)
+    except (OSError, ValueError):  # no usable fd 2 (embedded): nothing to hold
+        where["log"] = "stderr"
+        yield
+        return
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if not ok:
+            time.sleep(0.3)  # let the writer threads' late tracebacks land in the buffer
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(saved, 2)
+        os.close(saved)
+        buf.seek(0)
+        data = buf.read()
+        buf.close()
+        if ok:
+            os.write(2, data)
+        elif data:
+            fallback = os.path.join(tempfile.gettempdir(), f"triage-checkpoint-save-error-{os.getpid()}.log")
+            for path in (log_path, fallback):  # the run's disk may be the full one
+                try:
+                    with open(path, "ab") as f:
+                        f.write(data)
+                    where["log"] = path
+                    break
+                except OSError:
+                    continue
+            else:
+                os.write(2, data[-4000:])
+                where["log"] = "stderr above"
+
+
 def _is_primary() -> bool:
     return jax.process_index() == 0
 
@@ -144,7 +194,7 @@ class Checkpointer:
         self._staging = self.directory + ".staging"
         self._replaced = self.directory + ".replaced"
         self.keep = keep
-        self._recover()
+        self._recovered = False
         self._mngr = self._manager(self.directory, keep)
 
     @staticmethod
@@ -158,8 +208,13 @@ class Checkpointer:
     def _step_dir(self, step: int, root: str | None = None) -> str:
         return os.path.join(root or self.directory, str(step))
 
-    def _recover(self) -> None:
-        """Finish a replacement interrupted between its two renames; drop staging and temporary leftovers."""
+    def recover(self) -> None:
+        """The writer's start-up repair (its first save or owner restore; never a reader's, which could race a
+        live run): finish a replacement interrupted between its two renames; drop staging and temporary
+        leftovers of a killed save."""
+        if self._recovered:
+            return
+        self._recovered = True
         if not _is_primary():
             _sync("triage_ckpt_recover")
             return
@@ -181,6 +236,7 @@ class Checkpointer:
                 if _TMP_MARK in name:  # a save killed mid-write: never a checkpoint
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         _sync("triage_ckpt_recover")
+        self._mngr.reload()
 
     @staticmethod
     def _finalized(path: str) -> bool:
@@ -226,6 +282,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Save synchronously: when this returns the checkpoint is complete on disk. A step that exists is
         replaced atomically; a non-finite state raises NonFiniteStateError and writes nothing."""
+        self.recover()
         digest, finite = fingerprint(state)
         if not finite:
             raise NonFiniteStateError(f"refusing to save step {step} to {self.directory}: the state holds NaN/Inf")
@@ -235,10 +292,12 @@ class Checkpointer:
                 self.move_aside(s, "a step folder orbax does not recognize as a checkpoint")
         replace = step in self._mngr.all_steps()
         mngr = self._manager(self._staging, None) if replace else self._mngr
+        held = {"log": "none"}
         try:
-            mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
-            mngr.wait_until_finished()
+            with _stderr_kept_on_failure(self.directory + ".save-error.log", held):
+                mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+                mngr.wait_until_finished()
         except Exception as e:
             self._cleanup_failed_save(step, replace)
             needed = _nbytes(state)
@@ -251,10 +310,10 @@ class Checkpointer:
                 raise CheckpointSaveError(
                     f"saving checkpoint step {step} to {self.directory} failed: no space left on device (the state "
                     f"needs about {_human(needed)}{free}); free space or set --config.run_dir elsewhere; "
-                    f"no partial checkpoint was left behind") from e
+                    f"no partial checkpoint was left behind (orbax's own output: {held['log']})") from e
             raise CheckpointSaveError(f"saving checkpoint step {step} to {self.directory} failed "
                                       f"({type(e).__name__}: {str(e)[:300]}); no partial checkpoint was left "
-                                      f"behind") from e
+                                      f"behind (orbax's own output: {held['log']})") from e
         finally:
             if replace:
                 mngr.close()
@@ -286,11 +345,16 @@ class Checkpointer:
             pass
 
     def restore(self, abstract_state: Any, step: int | None = None, *, required_meta: Sequence[str] = (),
-                move_aside: bool = True) -> tuple[int, Any, dict] | None:
+                owner: bool = False) -> tuple[int, Any, dict] | None:
         """Restore `step` (default: the newest usable one), verifying its fingerprint and `required_meta` fields.
 
-        Unusable checkpoints are moved aside (`move_aside=False`: only skipped). Returns None when there is no
-        checkpoint at all; raises NoUsableCheckpointError when there are some but none is usable (or `step` is not)."""
+        `owner=True` (the run that writes here, resuming): first `recover`, and move unusable checkpoints aside so
+        they can never trap the run; a reader (`owner=False`: eval, tools) only skips them. Returns None when
+        there is no checkpoint at all; raises NoUsableCheckpointError when there are some but none is usable
+        (or `step` is not)."""
+        move_aside = owner
+        if owner:
+            self.recover()
         for s in self._stray_step_dirs():
             if move_aside:
                 self.move_aside(s, "a step folder orbax does not recognize as a checkpoint")

@@ -32,6 +32,8 @@ from triage_jax.rl import diagnostics
 from triage_jax.rl.delta import token_delta
 
 log = logging.getLogger(__name__)
+# NaN metrics are logged on purpose (an empty denominator is drawn as a gap): not a warning per value.
+logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 
 class NonFiniteError(FloatingPointError):
@@ -243,7 +245,8 @@ class Trainer:
         Raises NoUsableCheckpointError when every checkpoint is unusable (rerun with --noresume to start over)."""
         hint = " Pass --noresume (Trainer.run(resume=False)) to start over from step 0."
         try:
-            got = self.ckpt.restore(ckpt_lib.abstract_like(self._state()), required_meta=("step", "data"))
+            got = self.ckpt.restore(ckpt_lib.abstract_like(self._state()), required_meta=("step", "data"),
+                                    owner=True)
         except ckpt_lib.NoUsableCheckpointError as e:
             raise ckpt_lib.NoUsableCheckpointError(str(e) + "." + hint) from None
         if got is None:
