@@ -89,7 +89,11 @@ def _leaf_sums(leaves):
 def fingerprint(state: Any) -> tuple[str, bool]:
     """(hex digest, all floating leaves finite) of a pytree of arrays."""
     paths_leaves = jax.tree_util.tree_leaves_with_path(state)
-    sums = jax.device_get(_leaf_sums([jnp.asarray(x) for _, x in paths_leaves]))
+    leaves = [jnp.asarray(x) for _, x in paths_leaves]
+    try:
+        sums = jax.device_get(_leaf_sums(leaves))
+    except ValueError:  # leaves committed to different devices: one call per leaf
+        sums = [jax.device_get(_leaf_sums([x]))[0] for x in leaves]
     h = hashlib.sha256()
     finite = True
     for (path, x), (s1, s2, fin) in zip(paths_leaves, sums):
