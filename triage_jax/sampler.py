@@ -24,6 +24,7 @@ so a token's numerics do not depend on the other tokens of its batch or on prefi
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 from typing import Sequence
@@ -280,8 +281,21 @@ class Engine:
     """Continuous batching over `config.max_slots` decode slots; `load` a (prepared) model, then `generate`."""
 
     def __init__(self, cfg: SamplingConfig, config: EngineConfig, *, policy: PrecisionPolicy | None = None,
-                 pad_id: int = 0, model=None):
+                 pad_id: int = 0, model=None, mesh=None, rules=None):
+        """mesh: the learner's mesh; the slots split over its batch axes (data x fsdp x expert), every slot
+        computation keeping its per-device shape, so a request's numbers do not depend on the device count."""
+        from triage_jax import sharding as shd
+
         self.cfg, self.config = cfg, config
+        self.mesh, self.rules = mesh, rules if rules is not None else shd.DEFAULT_RULES
+        self.shards = 1
+        if mesh is not None:
+            self.shards = int(np.prod([mesh.shape.get(a, 1) for a in shd.batch_axes(self.rules)]))
+            if config.max_slots % self.shards:
+                raise ValueError(f"config.sampler.max_slots: {config.max_slots} decode slots do not split over the "
+                                 f"{self.shards} batch shards of mesh {dict(mesh.shape)}")
+        # prefill_batch rows per shard: the prefill's per-device shape, like the decode's, is the device count's.
+        self.prefill_batch = config.prefill_batch * self.shards
         self.policy = policy or PrecisionPolicy()
         self.st = _static(cfg, pad_id)
         self.pad_id = int(pad_id)
@@ -317,6 +331,22 @@ class Engine:
                 raise ValueError(f"generate: prompt {i} has token ids {row[(row < 0) | (row >= vocab)][:5].tolist()} "
                                  f"outside [0, {vocab})")
 
+    def _context(self):
+        from triage_jax import sharding as shd
+
+        return shd.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
+
+    def _place(self, slots: Slots) -> Slots:
+        """Slot arrays split over the batch shards (the per-layer FP8 scales replicated)."""
+        if self.mesh is None:
+            return slots
+        from triage_jax import sharding as shd
+
+        s = self.config.max_slots
+        return jax.tree.map(lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, x.ndim, self.rules)
+                                                     if x.ndim and x.shape[0] == s
+                                                     else shd.replicated(self.mesh)), slots)
+
     def _capacity(self, need: int) -> int:
         cap = bucket_length(need)
         return min(cap, -(-self.config.max_len // kvc.BLOCK) * kvc.BLOCK)
@@ -327,6 +357,10 @@ class Engine:
         if self.graphdef is None:
             raise RuntimeError("Engine.generate before Engine.load(model)")
         self._check(prompts)
+        with self._context():
+            return self._generate(prompts, key, n)
+
+    def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots
         temperature, top_p, stop_s = _hyper(self.cfg)
         r = st.max_new_tokens
@@ -334,7 +368,7 @@ class Engine:
         kv_format, dtype = self.policy.kv_cache, jnp.dtype(self.model_cfg.dtype)
         lens = np.array([len(p) for p in prompts], np.int32)
         cap = self._capacity(int(lens.max()) + 1)
-        slots = _empty_slots(self.model_cfg, s, cap, st, kv_format, dtype)
+        slots = self._place(_empty_slots(self.model_cfg, s, cap, st, kv_format, dtype))
         out_tok = np.full((num, r), self.pad_id, np.int32)
         out_logp = np.zeros((num, r), np.float32)
         out_len = np.zeros(num, np.int32)
@@ -352,7 +386,7 @@ class Engine:
                 targets: dict[int, list] = {}
                 while free and (waiting or pending):
                     if not waiting:
-                        batch_prompts = [pending.popleft() for _ in range(min(c.prefill_batch, len(pending)))]
+                        batch_prompts = [pending.popleft() for _ in range(min(self.prefill_batch, len(pending)))]
                         pre = self._prefill(prompts, batch_prompts, slots)
                         waiting.extend([pre, row, i, 0] for row, i in enumerate(batch_prompts))
                     entry = waiting[0]
@@ -398,6 +432,7 @@ class Engine:
                     free.append(slot)
                     done_reqs += 1
                 free.sort()
+        self.last_slot_devices = slots.cache.k[0].devices()
         mask = np.arange(r)[None, :] < out_len[:, None]
         p = int(lens.max())
         ids = np.full((num, p), self.pad_id, np.int32)
@@ -413,7 +448,7 @@ class Engine:
 
     def _prefill(self, prompts, which, slots: Slots):
         """Prefill prompts `which` (a fixed batch of `prefill_batch` rows, unused ones padding)."""
-        pb = self.config.prefill_batch
+        pb = self.prefill_batch
         p = bucket_length(max(len(prompts[i]) for i in which))
         ids = np.full((pb, p), self.pad_id, np.int32)
         mask = np.zeros((pb, p), bool)

@@ -113,3 +113,8 @@ def activate(mesh: Mesh, rules=DEFAULT_RULES) -> Iterator[None]:
         table.append((name, None if not keep else keep[0] if len(keep) == 1 else keep))
     with jax.set_mesh(mesh), nn.logical_axis_rules(table):
         yield
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated sharding on `mesh`."""
+    return NamedSharding(mesh, P())

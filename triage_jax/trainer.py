@@ -84,7 +84,7 @@ class Trainer:
         self.learner = build.learner(c, model)
         self.ref_params = (jax.tree.map(jnp.copy, self.learner.params) if c.rl.kl_coef else None)
         self.sampler_policy = build.sampler_policy(c)
-        self.engine = build.engine(c, self.tok)
+        self.engine = build.engine(c, self.tok, mesh=self.learner.mesh)  # slots split like the learner's batch
         self.loader = pipeline.make_prompt_loader(self.source, batch_size=c.rl.num_prompts, seed=c.seed,
                                                   shard_index=jax.process_index(),
                                                   shard_count=jax.process_count())
