@@ -37,7 +37,7 @@ def test_parse_mesh_names_bad_axes():
 
 
 def test_dryrun_tiny_moe_on_simulated_expert_mesh():
-    """End to end on 8 simulated devices, expert parallelism on: every remat policy and the decode step compile;
+    """End to end on 8 simulated devices, expert parallelism on: every remat policy and the rollout programs compile;
     parameters and optimizer state are split over the mesh (per-device bytes = total / shards)."""
     out = _dryrun("--config=configs/tiny_moe.py", "--mesh=fsdp=2,expert=4", "--remat=all", "--seq_len=16",
                   "--prompt_len=8", "--hbm_gb=80,0.0001")
@@ -46,7 +46,8 @@ def test_dryrun_tiny_moe_on_simulated_expert_mesh():
     rows = _table(out.stdout)
     assert set(rows) == {"learner remat=none attn=xla", "learner remat=full attn=xla",
                          "learner remat=save_dots attn=xla",
-                         "sampler decode step"}
+                         "rollout 8 slots/device, cache 64, KV 0.00 GB", "rollout 16 slots/device, cache 64, KV 0.00 GB"}
+    assert "80GB: 1024 slots/device (8192 in all), 1 wave(s) for 8192 responses" in out.stdout
     for name, cells in rows.items():
         params, opt, args, temps, outputs, peak = (float(x) for x in cells[:6])
         assert peak > 0 and temps >= 0

@@ -1,4 +1,4 @@
-"""Memory dry-run: compile the learner step and one sampler decode step for a simulated mesh, print per-device memory.
+"""Memory dry-run: compile the learner step and the trainer's rollout programs for a simulated mesh, print memory.
 
     python -m triage_jax.tools.dryrun --config=configs/qwen3_4b.py --mesh=fsdp=8 [--hbm_gb=80,141,192]
         [--remat=config|none|full|save_dots|all] [--seq_len=20480] [--micro_batch=N] [--decode_batch=N]
@@ -73,7 +73,8 @@ _SEQ = flags.DEFINE_integer("seq_len", 0, "Response length (0: config.sampler.ma
 _PROMPT = flags.DEFINE_integer("prompt_len", 0, "Prompt length (0: config.sampler.max_prompt_len).")
 _MICRO = flags.DEFINE_integer("micro_batch", 0, "Responses in the compiled learner step (0: config.rl.micro_batch, "
                               "raised to the number of batch shards if smaller).")
-_DECODE = flags.DEFINE_integer("decode_batch", 0, "Sequences in the decode step (0: 8 per batch shard).")
+_DECODE = flags.DEFINE_integer("decode_batch", 0, "Decode slots of the rollout programs (0: 8 per batch shard); "
+                                "a second compile at twice that gives the per-slot cost.")
 _SCAN = flags.DEFINE_bool("scan_layers", True, "Compile the layers as one scanned body (fast compile, same memory "
                           "per layer); --noscan_layers unrolls them.")
 _ATTN = flags.DEFINE_enum("attention", "xla", ["xla", "chunked"],
@@ -81,13 +82,12 @@ _ATTN = flags.DEFINE_enum("attention", "xla", ["xla", "chunked"],
                           "or models.chunked_attention for sequences >= 4096 (flash-style blocks).")
 _QCHUNK = flags.DEFINE_integer("q_chunk", 512, "Query block of --attention=chunked.")
 _KCHUNK = flags.DEFINE_integer("k_chunk", 1024, "Key block of --attention=chunked.")
-_DSCAN = flags.DEFINE_bool("decode_scan_layers", False, "Scan the layers in the decode step too (the trainer's "
-                           "sampler runs them unrolled, updating the KV cache in place).")
 _MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 0, "Expert FFN over this many sorted assignment rows at a time "
                                   "(ModelConfig.moe_row_chunk; 0: all at once).")
 _SKIP_DECODE = flags.DEFINE_bool("skip_decode", False, "Only the learner step.")
 
 GB = 1e9
+PAPER_RESPONSES = 8192  # 512 prompts x 16 samples per RL step
 
 
 @dataclasses.dataclass
@@ -170,51 +170,85 @@ def learner_step(c, model_cfg, mesh, n: int, prompt_len: int, resp_len: int, att
                      learner.opt_state, time.perf_counter() - t0)
 
 
-def decode_step(c, model_cfg, mesh, batch: int, cache_len: int) -> Memory:
-    """Compile one sampler decode step (one token for `batch` sequences against a cache of cache_len slots).
+def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
+    """Compile the trainer's own rollout programs for `slots` decode slots (split over the batch axes) with a
+    cache of cache_len slots: one decode round (sampler.steps_per_round tokens) and the insertion of prefilled
+    prompts into slots; returns the larger footprint of the two.
 
-    The sampler's weights are a compute-dtype copy of the learner's, sharded alike and quantized on the fly under
-    the sampler's policy (the prequantized copy the trainer keeps is smaller: this is an upper bound).
+    The weights are the sampler's prequantized copy (`sampler.prepare_model`), sharded by their logical axes where
+    they carry them and replicated otherwise (the packed NVFP4 kernels).
     """
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import NamedSharding
 
-    from triage_jax import sharding as shd
-    from triage_jax.logprobs import lm_head_logits
-    from triage_jax.models.kv_cache import init_kv_cache
-    from triage_jax.sampler import sampler_policy
+    from triage_jax import build, models, sharding as shd
+    from triage_jax import sampler as smp
 
-    policy = sampler_policy(c.sampler.precision, c.sampler.kv_cache)
-    graphdef, params = nnx.split(abstract_model(model_cfg), nnx.Param)
-    shardings = shd.state_shardings(params, mesh)
+    policy = build.sampler_policy(c)
+    tok = type("Tok", (), {"eos_ids": (0,), "pad_id": 0})()
+    engine = build.engine(c, tok, mesh=mesh)
+    st = engine.st
+    prepared = nnx.eval_shape(lambda: models.prequantize_model(models.Qwen3(model_cfg, rngs=nnx.Rngs(0)), policy))
+    graphdef, state = nnx.split(prepared)
+    specs = nnx.get_partition_spec(state)
+
+    def place(spec, sub):
+        def one(x):
+            names = tuple(spec) if isinstance(spec, jax.sharding.PartitionSpec) else ()
+            sharding = (jax.sharding.NamedSharding(mesh, shd.logical_to_mesh(names, mesh=mesh))
+                        if names and len(names) == len(x.shape) else shd.replicated(mesh))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        return jax.tree.map(one, sub)
+
+    state = jax.tree.map(place, specs, state, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     dtype = jnp.dtype(model_cfg.dtype)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype, sharding=s), params, shardings)
-    kv_format = policy.kv_cache
-    cache = jax.eval_shape(lambda: init_kv_cache(model_cfg, batch, cache_len, kv_format=kv_format, dtype=dtype))
-
-    def spec(x):
-        names = {5: (None, "batch", None, "heads", "kv"), 2: ("batch", None)}.get(x.ndim, (None,) * x.ndim)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, shd.logical_to_mesh(names,
-                                                                                                        mesh=mesh)))
-
-    cache = jax.tree.map(spec, cache)
-    tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=shd.batch_sharding(mesh, 1))
-    temperature = float(c.sampler.temperature)
-
-    def step(params, cache, tok_b, pos_b, index):
-        model = nnx.merge(graphdef, params)
-        h_b1d, cache = model(tok_b[:, None], pos_b[:, None], jnp.ones((tok_b.shape[0], 1), bool), policy=policy,
-                             cache=cache, cache_index=index, return_hidden=True)
-        logits_bv = lm_head_logits(h_b1d[:, 0], model.lm_head_kernel(), policy, temperature)
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32), cache
-
+    cache_len = -(-cache_len // smp.MIN_BUCKET) * smp.MIN_BUCKET  # the engine's largest capacity bucket
+    abstract_slots = jax.eval_shape(lambda: smp._empty_slots(model_cfg, slots, cache_len, st, policy.kv_cache, dtype))
+    abstract_slots = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
+        shd.batch_sharding(mesh, x.ndim) if x.ndim and x.shape[0] == slots else shd.replicated(mesh))),
+        abstract_slots)
+    f32, i32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    stop = jax.ShapeDtypeStruct((1,), jnp.int32)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):  # what the sampler sees: MoE expert parallelism, no activation rules
-        compiled = jax.jit(step, donate_argnums=(1,)).lower(params, cache, tok, tok,
-                                                            jax.ShapeDtypeStruct((), jnp.int32)).compile()
-    return memory_of("sampler decode step", compiled, params, {}, time.perf_counter() - t0)
+    with shd.activate(mesh):
+        decode = smp._decode_round.lower(graphdef, state, abstract_slots, key, f32, f32, stop, policy=policy, st=st,
+                                         steps=c.sampler.steps_per_round).compile()
+        pb, p = engine.prefill_batch, min(smp.bucket_length(c.sampler.max_prompt_len), cache_len)
+        pre = jax.eval_shape(lambda: smp._prefill(graphdef, state, jnp.zeros((pb, p), jnp.int32),
+                                                  jnp.ones((pb, p), bool), jnp.zeros((model_cfg.num_hidden_layers,)),
+                                                  jnp.zeros((model_cfg.num_hidden_layers,)), jnp.float32(1.0),
+                                                  policy=policy, capacity=p, kv_format=policy.kv_cache))
+        pre = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
+            shd.batch_sharding(mesh, x.ndim) if x.ndim and x.shape[0] == pb else shd.replicated(mesh))), pre)
+        vec = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=shd.replicated(mesh))
+        insert = smp._insert.lower(abstract_slots, pre[0], pre[1], vec, vec, vec, key, f32, stop, st=st).compile()
+    secs = time.perf_counter() - t0
+    rows = [memory_of(f"rollout decode ({slots // batch_shards(mesh)} slots/device)", decode, state, {}, secs),
+            memory_of(f"rollout insert ({slots // batch_shards(mesh)} slots/device)", insert, state, {}, secs)]
+    best = max(rows, key=lambda r: r.peak)
+    best.name = f"rollout {slots // batch_shards(mesh)} slots/device, cache {cache_len}"
+    best.kv = per_device_bytes(abstract_slots.cache)
+    return best
+
+
+def pick_slots(rows: list[Memory], hbm_gb: list[float], usable: float, responses: int, shards: int) -> list[str]:
+    """From two compiled slot counts, the per-slot cost (linear in slots: KV + per-slot activations); the largest
+    slots per device that fit each HBM size and the waves `responses` take at that size."""
+    (s0, a), (s1, b) = rows
+    per_slot = (b.peak - a.peak) / (s1 - s0)
+    fixed = a.peak - per_slot * s0
+    out = []
+    for h in hbm_gb:
+        budget = h * GB * usable - fixed
+        n = int(budget // per_slot) if per_slot > 0 else 0
+        n = min(1 << (n.bit_length() - 1) if n >= 1 else 0, -(-responses // shards))  # no more than needed
+        waves = -(-responses // (n * shards)) if n else float("inf")
+        out.append(f"{h:g}GB: {n} slots/device ({n * shards} in all), {waves} wave(s) for {responses} responses"
+                   if n else f"{h:g}GB: not even one slot fits")
+    return out
 
 
 def format_table(rows: list[Memory], hbm_gb: list[float], usable: float) -> str:
@@ -235,7 +269,7 @@ def format_table(rows: list[Memory], hbm_gb: list[float], usable: float) -> str:
 
 def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, prompt_len: int, micro: int,
         decode_batch: int, scan_layers: bool, with_decode: bool, attention: str = "xla", q_chunk: int = 512,
-        k_chunk: int = 1024, decode_scan_layers: bool | None = None, moe_chunk: int = 0, log=print) -> list[Memory]:
+        k_chunk: int = 1024, moe_chunk: int = 0, log=print) -> list[Memory]:
     """Compile the configured steps for the mesh and return their per-device memory."""
     import jax
 
@@ -264,7 +298,6 @@ def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, promp
         f"{base.dtype}), scan_layers={scan_layers}; mesh {dict(mesh.shape)} on {len(jax.devices())} simulated "
         f"{jax.devices()[0].platform} devices; learner: {n} responses x ({prompt_len} prompt + {seq_len} response) "
         f"tokens ({n // shards} per device), precision {c.learner.precision}, vocab_chunk {c.learner.vocab_chunk}")
-    decode_scan = scan_layers if decode_scan_layers is None else decode_scan_layers
     rows = []
     for remat in remats:
         mc = base.replace(remat=remat)
@@ -273,11 +306,17 @@ def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, promp
                                  moe_chunk))
         log(f"  done in {rows[-1].compile_s:.0f}s")
     if with_decode:
-        b = decode_batch or 8 * shards
-        log(f"compiling one decode step: {b} sequences, cache {prompt_len + seq_len} slots, scan_layers="
-            f"{decode_scan}, sampler {c.sampler.precision}, kv {c.sampler.kv_cache} ...")
-        rows.append(decode_step(c, base.replace(scan_layers=decode_scan), mesh, b, prompt_len + seq_len))
-        log(f"  done in {rows[-1].compile_s:.0f}s")
+        # The trainer's rollout programs at two slot counts: their difference is the per-slot cost.
+        s0 = decode_batch or 8 * shards
+        for slots in (s0, 2 * s0):
+            c.sampler.max_slots = slots
+            log(f"compiling the rollout programs: {slots} slots ({slots // shards} per device), cache "
+                f"{prompt_len + seq_len} slots, sampler {c.sampler.precision}, kv {c.sampler.kv_cache} ...")
+            row = rollout_step(c, base.replace(scan_layers=False), mesh, slots, prompt_len + seq_len)
+            row.name += f", KV {row.kv / GB:.2f} GB"
+            row.slots_per_device = slots // shards
+            rows.append(row)
+            log(f"  done in {row.compile_s:.0f}s")
     return rows
 
 
@@ -294,10 +333,17 @@ def main(argv) -> None:
                prompt_len=_PROMPT.value or c.sampler.max_prompt_len, micro=_MICRO.value,
                decode_batch=_DECODE.value, scan_layers=_SCAN.value, with_decode=not _SKIP_DECODE.value,
                attention=_ATTN.value, q_chunk=_QCHUNK.value, k_chunk=_KCHUNK.value,
-               decode_scan_layers=_DSCAN.value, moe_chunk=_MOE_CHUNK.value)
+               moe_chunk=_MOE_CHUNK.value)
     print(f"\nper-device memory (GB = 1e9 bytes; peak = args + temps + outputs not aliased to donated inputs; "
           f"fits: peak <= {_USABLE.value:g} x HBM)")
     print(format_table(rows, hbm, _USABLE.value))
+    roll = [(r.slots_per_device, r) for r in rows if r.name.startswith("rollout")]
+    if len(roll) == 2:
+        shards = batch_shards(__import__("triage_jax.sharding", fromlist=["make_mesh"]).make_mesh(mesh_shape))
+        print(f"rollout slots (per-slot cost from the two rollout rows), for the paper's {PAPER_RESPONSES} "
+              f"responses per step:")
+        for line in pick_slots(roll, hbm, _USABLE.value, PAPER_RESPONSES, shards):
+            print("  " + line)
     print(f"total {time.perf_counter() - t0:.0f}s")
 
 
