@@ -1,4 +1,4 @@
-"""Low-precision core: NVFP4/MXFP8/FP8 formats, precision policies, the one quantized dot, backends."""
+"""Low-precision core: NVFP4/MXFP4/MXFP8/FP8 formats, precision policies, the one quantized dot, backends."""
 
 from triage_jax.quant.backends import (
     BackendUnavailableError,
@@ -11,12 +11,14 @@ from triage_jax.quant.backends import (
 from triage_jax.quant.debug import nonfinite_mode_from_env
 from triage_jax.quant.formats import (
     FP8Tensor,
+    MXFP4Tensor,
     MXFP8Tensor,
     NVFP4Tensor,
     e2m1_codes,
     hadamard16,
     pack_fp4,
     quantize_fp8,
+    quantize_mxfp4,
     quantize_mxfp8,
     quantize_nvfp4,
     rht16,
@@ -28,7 +30,7 @@ from triage_jax.quant.qdot import QuantizedWeight, prequantize, qdot, qragged_do
 __all__ = [
     "BackendUnavailableError", "BackendUnsupportedError", "available_backends", "get_backend", "register_backend",
     "resolve_backend", "nonfinite_mode_from_env",
-    "FP8Tensor", "MXFP8Tensor", "NVFP4Tensor", "e2m1_codes", "hadamard16", "pack_fp4", "quantize_fp8",
-    "quantize_mxfp8", "quantize_nvfp4", "rht16", "unpack_fp4", "PRESETS", "LayerPrecision", "PrecisionPolicy",
+    "FP8Tensor", "MXFP4Tensor", "MXFP8Tensor", "NVFP4Tensor", "e2m1_codes", "hadamard16", "pack_fp4", "quantize_fp8",
+    "quantize_mxfp4", "quantize_mxfp8", "quantize_nvfp4", "rht16", "unpack_fp4", "PRESETS", "LayerPrecision", "PrecisionPolicy",
     "QuantizedWeight", "prequantize", "qdot", "qragged_dot",
 ]

@@ -38,7 +38,7 @@ AUTO_ORDER = ("te", "cudnn", "pallas", "xla")
 # Backends whose implementation lives in a kernel module that registers it on import (imported on first use).
 KERNEL_BACKENDS = {"pallas": "triage_jax.kernels.pallas_quant"}
 OPS = ("quantize", "matmul", "dot", "grouped_dot")
-QUANTIZED_TYPES = (fmt.NVFP4Tensor, fmt.MXFP8Tensor, fmt.FP8Tensor)
+QUANTIZED_TYPES = (fmt.NVFP4Tensor, fmt.MXFP4Tensor, fmt.MXFP8Tensor, fmt.FP8Tensor)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -50,7 +50,7 @@ class BackendUnsupportedError(NotImplementedError):
 
 
 def is_quantized(a) -> bool:
-    """Whether `a` is a quantized tensor (NVFP4Tensor, MXFP8Tensor or FP8Tensor) rather than a raw array."""
+    """Whether `a` is a quantized tensor (NVFP4Tensor, MXFP4Tensor, MXFP8Tensor or FP8Tensor), not a raw array."""
     return isinstance(a, QUANTIZED_TYPES)
 
 
@@ -215,10 +215,15 @@ def _weight_nk(backend: Backend, w, prec):
     return quantize_weight(backend, w, prec.weight, prec.weight_scaling)
 
 
+def _kernel_operand(q):
+    """What a backend's matmul receives: MXFP4 tensors (no kernel here reads them) as their exact bf16 values."""
+    return q.block_values().astype(BF16) if isinstance(q, fmt.MXFP4Tensor) else q
+
+
 def composed_dot(backend: Backend, x_mk: jax.Array, w, prec) -> jax.Array:
-    """Dense forward from the backend's own quantizers and matmul."""
+    """Dense forward from the backend's own quantizers and matmul (MXFP4 operands handed over as exact values)."""
     qx = quantize_operand(backend, x_mk, prec.act, prec.act_scaling)
-    return backend.op("matmul")(qx, _weight_nk(backend, w, prec))
+    return backend.op("matmul")(_kernel_operand(qx), _kernel_operand(_weight_nk(backend, w, prec)))
 
 
 def composed_grouped_dot(backend: Backend, x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Array:
@@ -226,6 +231,8 @@ def composed_grouped_dot(backend: Backend, x_mk: jax.Array, w, group_sizes_e: ja
     qx = quantize_operand(backend, x_mk, prec.act, prec.act_scaling)
     return reference_grouped_matmul(qx, _weight_nk(backend, w, prec), group_sizes_e)
 
+
+_FORMAT_NAMES = ("nvfp4", "mxfp8", *fmt.MXFP4_FORMATS, "fp8")
 
 # --- xla: the reference ------------------------------------------------------------------------------------------
 
@@ -236,9 +243,11 @@ def reference_quantize(x: jax.Array, fmt_name: str, scaling: str = "tensor", ama
         return fmt.quantize_nvfp4(x, scaling=scaling, amax=amax)
     if fmt_name == "mxfp8":
         return fmt.quantize_mxfp8(x)
+    if fmt_name in fmt.MXFP4_FORMATS:
+        return fmt.quantize_mxfp4(x, fmt.MXFP4_FORMATS[fmt_name])
     if fmt_name == "fp8":
         return fmt.quantize_fp8(x)
-    raise ValueError(f"unknown format {fmt_name!r}; expected 'nvfp4', 'mxfp8' or 'fp8'")
+    raise ValueError(f"unknown format {fmt_name!r}; expected one of {_FORMAT_NAMES}")
 
 
 def split_scaled(q, order: str = "natural") -> tuple[jax.Array, jax.Array]:
@@ -247,6 +256,8 @@ def split_scaled(q, order: str = "natural") -> tuple[jax.Array, jax.Array]:
         return q.block_values(order).astype(BF16), q.global_decode_scale()
     if order == "split":
         raise ValueError("split K order is only produced for NVFP4 left operands")
+    if isinstance(q, fmt.MXFP4Tensor):
+        return q.block_values().astype(BF16), jnp.float32(1.0)
     if isinstance(q, fmt.MXFP8Tensor):
         return q.dequantize(F32).astype(BF16), jnp.float32(1.0)
     if isinstance(q, fmt.FP8Tensor):
@@ -265,7 +276,9 @@ def split_scaled_t(q, order: str = "natural") -> tuple[jax.Array, jax.Array]:
     """split_scaled of an [..., N, K] operand with the values transposed to [..., K, N] (decoded in that layout)."""
     if isinstance(q, fmt.NVFP4Tensor):
         return q.block_values_t(order).astype(BF16), q.global_decode_scale()
-    if isinstance(q, fmt.MXFP8Tensor):
+    if isinstance(q, fmt.MXFP4Tensor):
+        v, f = q.block_values_t().astype(BF16), jnp.float32(1.0)
+    elif isinstance(q, fmt.MXFP8Tensor):
         v = jnp.swapaxes(q.data, -1, -2).astype(F32)
         *lead, k, n = v.shape
         s = jnp.swapaxes(q.scale, -1, -2).astype(F32)[..., None, :]
@@ -333,6 +346,8 @@ def fake_quant(x: jax.Array, fmt_name: str, scaling: str = "tensor") -> tuple[ja
     if fmt_name == "nvfp4":
         v, g = fmt.nvfp4_fake_quant(x, scaling=scaling)
         return v.astype(BF16), g
+    if fmt_name in fmt.MXFP4_FORMATS:  # block-local scales: "tensor" / "row" scaling mean the same here
+        return fmt.mxfp4_fake_quant(x, fmt.MXFP4_FORMATS[fmt_name]).astype(BF16), jnp.float32(1.0)
     return split_scaled(reference_quantize(x, fmt_name, scaling))
 
 
@@ -346,6 +361,8 @@ def fake_quant_kn(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor") -> tu
         else:
             v, g = fmt.nvfp4_fake_quant_kn(w_kn, scaling=scaling)
         return v.astype(BF16), g
+    if fmt_name in fmt.MXFP4_FORMATS:
+        return fmt.mxfp4_fake_quant_kn(w_kn, fmt.MXFP4_FORMATS[fmt_name]).astype(BF16), jnp.float32(1.0)
     quant = functools.partial(reference_quantize_kn, fmt_name=fmt_name, scaling=scaling)
     q = jax.vmap(quant)(w_kn) if w_kn.ndim == 3 else quant(w_kn)
     return split_scaled_t(q)
@@ -357,10 +374,12 @@ def reference_quantize_kn(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor
         return fmt.quantize_nvfp4_kn(w_kn, scaling=scaling)
     if fmt_name == "mxfp8":
         return fmt.quantize_mxfp8_kn(w_kn)
+    if fmt_name in fmt.MXFP4_FORMATS:
+        return fmt.quantize_mxfp4_kn(w_kn, fmt.MXFP4_FORMATS[fmt_name])
     if fmt_name == "fp8":
         q = fmt.quantize_fp8(w_kn)
         return fmt.FP8Tensor(data=jnp.swapaxes(q.data, -1, -2), scale=q.scale)
-    raise ValueError(f"unknown format {fmt_name!r}; expected 'nvfp4', 'mxfp8' or 'fp8'")
+    raise ValueError(f"unknown format {fmt_name!r}; expected one of {_FORMAT_NAMES}")
 
 
 def _reference_forward(x_mk: jax.Array, w, prec, gs: jax.Array | None = None) -> jax.Array:
@@ -466,6 +485,8 @@ def te_dense(x_mk: jax.Array, w_kn: jax.Array, weight_fmt: str, act_fmt: str, we
     from transformer_engine.common import recipe as te_recipe
     from transformer_engine.jax.dense import dense
 
+    if weight_fmt in fmt.MXFP4_FORMATS or act_fmt in fmt.MXFP4_FORMATS:
+        raise BackendUnsupportedError("te backend: no TE recipe for MXFP4 here; use the 'xla' backend")
     if weight_fmt != act_fmt:
         raise NotImplementedError(f"te backend: TE recipes use one format for both operands; got {weight_fmt}/{act_fmt}")
     rec = {

@@ -1,4 +1,4 @@
-"""NVFP4, MXFP8 and FP8 quantizers: the bit-exact jax.numpy reference (TE kernel semantics, spec numerics.md).
+"""NVFP4, MXFP4, MXFP8 and FP8 quantizers: the bit-exact jax.numpy reference (TE kernel semantics, spec numerics.md).
 
 Every other backend is checked against these functions. All arithmetic is float32 and in the spec's order: a
 different order (dividing instead of multiplying by a reciprocal, `(a/6)*S` instead of `a*(S/6)`) changes the
@@ -27,6 +27,9 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
 MXFP8_BLOCK = 32
+MXFP4_BLOCK = 32
+# The quantized dot's MXFP4 format names and their shared-exponent rounding (numerics.md, "MXFP4").
+MXFP4_FORMATS = {"mxfp4": "floor", "mxfp4_rceil": "rceil"}
 # 2688 = 448 * 6: the largest product of an E4M3 block scale and an E2M1 element.
 NVFP4_RANGE = E4M3_MAX * E2M1_MAX
 # TE's dequantize constant `factor_inv = 1.0 / (6.0 * 448.0)`: 1/2688 rounded to float32 once.
@@ -291,6 +294,155 @@ class FP8Tensor:
     def dequantize(self, dtype=F32) -> jax.Array:
         s = _bcast_factor(self.scale.astype(F32), self.data.ndim)
         return (self.data.astype(F32) * s).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MXFP4 (OCP MX v1.0): E2M1 elements, one E8M0 shared exponent per 32 elements, no tensor-level factor.
+
+
+def _mxfp4_exponent(amax: jax.Array, rounding: str) -> jax.Array:
+    """Biased E8M0 exponent (uint32 in [0, 255]) of blocks with float32 amax >= 0, in integer arithmetic (exact).
+
+    "floor" (OCP): X = floor(log2 amax) - 2, the E2M1 emax. "rceil": the smallest X with 2^X >= amax / 6, i.e. with
+    amax = m * 2^E (m in [1, 2)), X = E - 2 when m <= 1.5 and E - 1 otherwise (6 * 2^X is exact, so no rounded
+    division decides it). Both clamp to the E8M0 range [-127, 127]; a zero block (and one whose amax is a float32
+    subnormal) lands on code 0, i.e. 2^-127; an infinite amax gives code 255 (NaN scale), as for MXFP8.
+    """
+    bits = jax.lax.bitcast_convert_type(amax.astype(F32), jnp.uint32)
+    exp = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    e = exp - 2
+    if rounding == "rceil":
+        e = e + ((bits & 0x7FFFFF) > 0x400000).astype(jnp.int32)
+    e = jnp.where(exp == 0, 0, jnp.clip(e, 0, 254))
+    return jnp.where(exp == 255, 255, e).astype(jnp.uint32)
+
+
+def _pow2_biased(e: jax.Array) -> jax.Array:
+    """Exactly 2^(e - 127) in float32 for a biased E8M0 exponent e (code 0 is the subnormal 2^-127; 255 -> NaN)."""
+    e = e.astype(jnp.uint32)
+    bits = jnp.where(e == 0, jnp.uint32(0x400000), e << 23)
+    return jnp.where(e == 255, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(bits, F32))
+
+
+def _check_rounding(rounding: str, what: str) -> None:
+    if rounding not in ("floor", "rceil"):
+        raise ValueError(f"{what}: unknown rounding {rounding!r}; expected 'floor' or 'rceil'")
+
+
+def mxfp4_encode_blocks(xb: jax.Array, rounding: str = "floor") -> tuple[jax.Array, jax.Array]:
+    """The per-block MXFP4 core: blocks [..., nb, 32] float32 -> (uint8 E2M1 codes [..., nb, 32], exponent u8 [..., nb])."""
+    e = _mxfp4_exponent(jnp.max(_nan_to_zero_abs(xb), axis=-1), rounding)
+    return e2m1_rne_codes(xb * _pow2_neg_biased(e)[..., None]), e.astype(jnp.uint8)
+
+
+@struct.dataclass
+class MXFP4Tensor:
+    """MXFP4 tensor (OCP MX v1.0): packed E2M1 codes (uint8 [..., K/2], packed like NVFP4Tensor) and E8M0 `scale`
+    [..., K/32] (float8_e8m0fnu; bitcast to uint8 for the biased exponents). No tensor-level factor: the value of
+    element j of block b is e2m1(q_j) * 2^(scale_b - 127). `rounding` records the shared-exponent rule used."""
+
+    packed: jax.Array
+    scale: jax.Array
+    rounding: str = struct.field(pytree_node=False, default="floor")
+
+    @classmethod
+    def from_data(cls, data: jax.Array, scale: jax.Array, rounding: str = "floor") -> "MXFP4Tensor":
+        return cls(packed=pack_fp4(data), scale=scale, rounding=rounding)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.packed.shape[:-1] + (self.packed.shape[-1] * 2,)
+
+    @property
+    def codes(self) -> jax.Array:
+        """uint8 E2M1 codes [..., K] (bits 0-3)."""
+        return unpack_codes(self.packed)
+
+    @property
+    def data(self) -> jax.Array:
+        """float4_e2m1fn elements [..., K]."""
+        return codes_to_fp4(self.codes)
+
+    @property
+    def exponents(self) -> jax.Array:
+        """The biased E8M0 exponents as uint8 [..., K/32]."""
+        return jax.lax.bitcast_convert_type(self.scale, jnp.uint8)
+
+    def decoded_scale(self) -> jax.Array:
+        """The block scales 2^(e - 127) as float32 [..., K/32] (integer decode; code 255 -> NaN)."""
+        return _pow2_biased(self.exponents)
+
+    def block_values(self) -> jax.Array:
+        """e2m1(q) * 2^(e - 127) in float32 [..., K]: the exact values (exactly representable in bfloat16)."""
+        e = _blocks(e2m1_decode(self.codes), MXFP4_BLOCK) * self.decoded_scale()[..., None]
+        return e.reshape(self.shape)
+
+    def block_values_t(self) -> jax.Array:
+        """block_values() transposed, [..., K, N] (the GEMM's K-major weight operand)."""
+        return jnp.swapaxes(self.block_values(), -1, -2)
+
+    def dequantize(self, dtype=F32) -> jax.Array:
+        return self.block_values().astype(dtype)
+
+
+def _mxfp4_check(x, rounding: str, what: str) -> jax.Array:
+    _check_rounding(rounding, what)
+    _check_input(x, MXFP4_BLOCK, what)
+    return x.astype(F32)
+
+
+def quantize_mxfp4(x: jax.Array, rounding: str = "floor", *, name: str = "", debug: bool | str = False) -> MXFP4Tensor:
+    """MXFP4-quantize x[..., K] along its last axis (OCP MX v1.0; blocks of 32, E8M0 shared exponents).
+
+    rounding="floor" (the OCP rule): shared exponent X = floor(log2 amax) - 2, so block elements above 6 * 2^X
+    saturate to +-6; "rceil": X = the smallest exponent with 2^X >= amax / 6 (nothing saturates). Elements
+    x * 2^-X are rounded to nearest even on the E2M1 grid (NaN -> +6, as NVFP4). A zero block gets scale code 0
+    (2^-127) and zero codes. K must be a multiple of 32 (the error names the shape).
+    """
+    x = _mxfp4_check(x, rounding, "quantize_mxfp4")
+    report_nonfinite(x, "quantize_mxfp4", name, debug)
+    codes, e = mxfp4_encode_blocks(_blocks(x, MXFP4_BLOCK), rounding)
+    return MXFP4Tensor(packed=pack_codes(codes.reshape(x.shape)),
+                       scale=jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu), rounding=rounding)
+
+
+def _mxfp4_kn_codes(w: jax.Array, rounding: str, what: str) -> tuple[jax.Array, jax.Array]:
+    """Blocks of 32 down the columns of w[..., K, N]: (E2M1 codes [..., K, N], exponents uint32 [..., K/32, N])."""
+    _check_rounding(rounding, what)
+    _check_input(jnp.swapaxes(w, -1, -2), MXFP4_BLOCK, f"{what} (w^T)", min_rank=2)
+    *lead, k, n = w.shape
+    wb = w.astype(F32).reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
+    e = _mxfp4_exponent(jnp.max(_nan_to_zero_abs(wb), axis=-2), rounding)
+    return e2m1_rne_codes(wb * _pow2_neg_biased(e)[..., None, :]).reshape(w.shape), e
+
+
+def quantize_mxfp4_kn(w: jax.Array, rounding: str = "floor") -> MXFP4Tensor:
+    """MXFP4 of w^T for a weight w[..., K, N]: bit-identical to quantize_mxfp4(swapaxes(w, -1, -2), rounding)."""
+    codes, e = _mxfp4_kn_codes(w, rounding, "quantize_mxfp4_kn")
+    *lead, k, n = w.shape
+    pairs = codes.reshape(*lead, k // 2, 2, n)
+    packed = pairs[..., 0, :] | (pairs[..., 1, :] << 4)  # [..., K/2, N]
+    scale = jax.lax.bitcast_convert_type(e.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return MXFP4Tensor(packed=jnp.swapaxes(packed, -1, -2), scale=jnp.swapaxes(scale, -1, -2), rounding=rounding)
+
+
+def mxfp4_fake_quant(x: jax.Array, rounding: str = "floor") -> jax.Array:
+    """quantize_mxfp4(x, rounding).block_values() computed elementwise, without packing (the on-the-fly operand)."""
+    x = _mxfp4_check(x, rounding, "mxfp4_fake_quant")
+    xb = _blocks(x, MXFP4_BLOCK)
+    e = _mxfp4_exponent(jnp.max(_nan_to_zero_abs(xb), axis=-1), rounding)
+    v = _e2m1_rne_values(xb * _pow2_neg_biased(e)[..., None]) * _pow2_biased(e)[..., None]
+    return v.reshape(x.shape)
+
+
+def mxfp4_fake_quant_kn(w: jax.Array, rounding: str = "floor") -> jax.Array:
+    """mxfp4_fake_quant of w^T for w[..., K, N], returned in w's [..., K, N] layout (as quantize_mxfp4_kn)."""
+    _check_rounding(rounding, "mxfp4_fake_quant_kn")
+    _check_input(jnp.swapaxes(w, -1, -2), MXFP4_BLOCK, "mxfp4_fake_quant_kn (w^T)", min_rank=2)
+    *lead, k, n = w.shape
+    wb = w.astype(F32).reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
+    e = _mxfp4_exponent(jnp.max(_nan_to_zero_abs(wb), axis=-2), rounding)[..., None, :]
+    return (_e2m1_rne_values(wb * _pow2_neg_biased(e)) * _pow2_biased(e)).reshape(w.shape)
 
 
 def nvfp4_global_scale(amax: jax.Array) -> jax.Array:

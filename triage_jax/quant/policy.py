@@ -13,7 +13,7 @@ from typing import Iterable
 
 from triage_jax.quant.debug import check_nonfinite_mode, nonfinite_mode_from_env
 
-FORMATS = ("none", "nvfp4", "mxfp8", "fp8")
+FORMATS = ("none", "nvfp4", "mxfp8", "mxfp4", "mxfp4_rceil", "fp8")  # mxfp4: OCP floor exponents; _rceil: RCEIL
 GRAD_MODES = ("bf16", "f32", "nvfp4")
 KV_FORMATS = ("bf16", "fp8")
 
@@ -29,7 +29,7 @@ class LayerPrecision:
     weight: str = "none"
     act: str = "none"
     weight_scaling: str = "tensor"  # NVFP4 weights: "tensor" (1D blocks) or "tile2d" (16x16 tiles)
-    act_scaling: str = "tensor"  # NVFP4 activations: "tensor" or "row" (token-wise)
+    act_scaling: str = "tensor"  # NVFP4 activations: "tensor" or "row" (token-wise); MX formats: no effect
     grad: str = "bf16"  # backward GEMMs: "bf16" / "f32" straight-through, or "nvfp4" (SR + RHT)
     debug_nonfinite: bool | str = False
 
@@ -60,6 +60,11 @@ PRESETS: dict[str, LayerPrecision] = {
     "w4a16": LayerPrecision(weight="nvfp4"),
     "w4a8": LayerPrecision(weight="nvfp4", act="mxfp8"),
     "w4a4": LayerPrecision(weight="nvfp4", act="nvfp4"),
+    # MXFP4 (OCP MX v1.0, numerics.md "MXFP4"): E2M1 with one E8M0 exponent per 32 elements, no tensor scale.
+    "w4a16_mx": LayerPrecision(weight="mxfp4"),
+    "w4a8_mx": LayerPrecision(weight="mxfp4", act="mxfp8"),
+    "w4a4_mx": LayerPrecision(weight="mxfp4", act="mxfp4"),
+    "w4a4_mx_rceil": LayerPrecision(weight="mxfp4_rceil", act="mxfp4_rceil"),
 }
 
 # Modules that stay in high precision unless a rule says otherwise (numerics.md, "Training-recipe pieces").

@@ -34,7 +34,7 @@ from triage_jax.quant.policy import LayerPrecision
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 _SR_SEED = 0x7A1A6E  # the fixed seed the derived stochastic-rounding keys fold from
-_BLOCK = {"nvfp4": fmt.NVFP4_BLOCK, "mxfp8": fmt.MXFP8_BLOCK}
+_BLOCK = {"nvfp4": fmt.NVFP4_BLOCK, "mxfp8": fmt.MXFP8_BLOCK, **{f: fmt.MXFP4_BLOCK for f in fmt.MXFP4_FORMATS}}
 
 
 @struct.dataclass
@@ -44,7 +44,7 @@ class QuantizedWeight:
     For a 3D per-expert weight [E, K, N], each expert is quantized on its own (its own NVFP4 amax / FP8 scale).
     """
 
-    q: fmt.NVFP4Tensor | fmt.MXFP8Tensor | fmt.FP8Tensor
+    q: fmt.NVFP4Tensor | fmt.MXFP4Tensor | fmt.MXFP8Tensor | fmt.FP8Tensor
     fmt_name: str = struct.field(pytree_node=False)
 
     @property
