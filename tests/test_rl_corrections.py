@@ -27,7 +27,8 @@ def run(name, delta, mask, adv=None, cfg=None):
 
 def test_registry_and_defaults():
     assert set(CORRECTIONS) == {"none", "token_tis", "seq_tis", "seq_mis", "seq_mis_reject", "icepop", "geo_rs",
-                                "triage"}
+                                "opsm", "triage"}
+    assert make_config("opsm").delta == 1e-4 and make_config("opsm", {"delta": 0.01}).delta == 0.01
     assert make_config("token_tis").C == 2.0 and make_config("seq_tis").C == 2.0
     assert (make_config("seq_mis").lo, make_config("seq_mis").C) == (0.5, 2.0)
     assert (make_config("icepop").a, make_config("icepop").b) == (0.5, 5.0)
@@ -45,6 +46,8 @@ def test_config_errors():
         make_config("icepop", {"a": 5.0, "b": 1.0})
     with pytest.raises(ValueError, match="seq_mis"):
         make_config("seq_mis", {"lo": 3.0})
+    with pytest.raises(ValueError, match="opsm: delta must be a finite number >= 0"):
+        make_config("opsm", {"delta": -0.1})
     with pytest.raises(TypeError, match="takes a TokenTISConfig, got IcePopConfig"):
         run("token_tis", np.zeros((1, 2)), np.ones((1, 2)), cfg=make_config("icepop"))
     with pytest.raises(ValueError, match=r"mask: expected shape \(1, 2\)"):
@@ -117,6 +120,31 @@ def test_geo_rs():
     np.testing.assert_array_equal(m, mask)
 
 
+def test_opsm_drops_negative_advantage_responses_past_the_threshold():
+    # mean(-delta) over real tokens (DeepSeek-V3.2's mean log(pi_sampler / pi_learner)): 0.02, 0.02, 0.005, -0.05,
+    # 0.02 (padding excluded, a 9 there must not count). Only A < 0 responses above delta = 0.01 are dropped: the
+    # second row is A > 0 (kept whatever its mismatch), the third is under the threshold, the fourth negative.
+    delta = np.array([[-0.02, -0.02, 9.0], [-0.02, -0.02, -0.02], [-0.005, -0.005, 0.0], [0.05, 0.05, 0.0],
+                      [-0.04, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]], bool)
+    adv = np.array([-1.0, 1.0, -1.0, -1.0, 0.0], np.float32)
+    cfg = make_config("opsm", {"delta": 0.01})
+    w, m, met = run("opsm", delta, mask, adv, cfg)
+    np.testing.assert_array_equal(m, mask & np.array([[False], [True], [True], [True], [True]]))
+    np.testing.assert_array_equal(w, m.astype(np.float32))  # a pure mask: accepted tokens keep weight 1
+    assert met["frac_masked"] == pytest.approx(2 / 11) and met["frac_clipped"] == 0.0
+    # the threshold is strict; at 0 every A < 0 response with mean(-delta) > 0 goes
+    _, m0, _ = run("opsm", delta, mask, adv, make_config("opsm", {"delta": 0.02}))
+    assert m0[0].sum() == 2  # mean(-delta) == 0.02 (float32 rounding aside) is not > 0.02
+    _, m0, _ = run("opsm", delta, mask, adv, make_config("opsm", {"delta": 0.0}))
+    np.testing.assert_array_equal(m0.any(1), [False, True, False, True, True])
+    # token-level advantages: only the tokens with A < 0 of a mismatched response are dropped
+    adv_t = np.array([[-1.0, 1.0, 0.0]] * 5, np.float32)
+    _, mt, _ = run("opsm", delta, mask, adv_t, cfg)
+    np.testing.assert_array_equal(mt, mask & np.array([[False, True, True], [False, True, True], [True] * 3,
+                                                        [True] * 3, [False, True, True]]))
+
+
 def test_triage_matches_gate_weights():
     rng = np.random.default_rng(0)
     delta = (0.2 * rng.standard_normal((4, 70)) - 0.1).astype(np.float32)
@@ -141,7 +169,7 @@ def test_weights_bounded_zero_outside_mask_and_no_gradient(vals, lens, name):
     assert m.dtype == mask.dtype and np.all(m <= mask)
     assert np.all(w[~m] == 0) and np.all(np.isfinite(w)) and np.all(w >= 0)
     bound = {"token_tis": 2.0, "seq_tis": 2.0, "icepop": 5.0 * (1 + 1e-6), "none": 1.0, "seq_mis": 2.0 * (1 + 1e-6),
-             "seq_mis_reject": 1.0, "geo_rs": 1.0}
+             "seq_mis_reject": 1.0, "geo_rs": 1.0, "opsm": 1.0}
     if name in bound:
         assert np.all(w <= bound[name])
     for k in ("frac_clipped", "frac_masked", "ess"):

@@ -75,6 +75,20 @@ class IcePopConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OPSMConfig:
+    """Off-policy sequence masking (DeepSeek-V3.2): drop A < 0 responses whose mean(-delta) exceeds `delta`.
+
+    Default 1e-4: slime's `--opsm-delta` default (DeepSeek-V3.2 does not publish its value)."""
+
+    delta: float = 1e-4
+
+    def __post_init__(self):
+        if not (isinstance(self.delta, (int, float)) and not isinstance(self.delta, bool) and self.delta >= 0
+                and self.delta < float("inf")):
+            raise ValueError(f"opsm: delta must be a finite number >= 0, got {self.delta!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class GeoRSConfig:
     lo: float = 0.999
     hi: float = 1.001
@@ -136,6 +150,16 @@ def _geo_rs(a, d, m, cfg: GeoRSConfig):
     return jnp.ones_like(d), m * keep, jnp.zeros(d.shape, bool)
 
 
+def _opsm(a, d, m, cfg: OPSMConfig):
+    # DeepSeek-V3.2's M_i,t = 0 iff A_i,t < 0 and (1/|o_i|) sum_t log(pi_sampler / pi_learner) > delta; that log
+    # ratio is -delta per token, so the statistic is the response's mean(-delta) (its k1 KL estimate).
+    n_i = jnp.sum(m, axis=1, keepdims=True)
+    seq_kl = -jnp.sum(jnp.where(m > 0, d, 0.0), axis=1, keepdims=True) / jnp.maximum(n_i, 1.0)
+    a_nt = a[:, None] if a.ndim == 1 else a
+    drop = (a_nt < 0) & (seq_kl > cfg.delta)
+    return jnp.ones_like(d), m * ~drop, jnp.zeros(d.shape, bool)
+
+
 def _triage(a, d, m, cfg: TriageConfig):
     alpha, w_raw, _ = gate(a, d, m, cfg)
     return alpha, m, w_raw < 1.0
@@ -155,6 +179,7 @@ CORRECTIONS: dict[str, Correction] = {
     "seq_mis_reject": Correction(SeqMISConfig, _seq_mis_reject),
     "icepop": Correction(IcePopConfig, _icepop),
     "geo_rs": Correction(GeoRSConfig, _geo_rs),
+    "opsm": Correction(OPSMConfig, _opsm),
     "triage": Correction(TriageConfig, _triage),
 }
 
