@@ -1,13 +1,34 @@
-"""Sampler throughput on the tiny model against HF transformers' `generate` on the same weights (CPU).
+"""Rollout-engine throughput on the tiny model (CPU): against HF transformers, on a skewed workload, by position,
+and against the matmul-only ceiling, side by side in one run.
 
-    python experiments/bench_sampler.py [--new_tokens=128] [--prompt_len=32] [--repeats=3]
+    python experiments/bench_sampler.py [--repeats=3] [--skew_slots=64] [--quick]
 
-Reports, per batch size (1, 8, 32): end-to-end tokens/s of `triage_jax.sampler.generate` and of HF `generate`
-(same prompts, same length, sampling at T=1, no early stop), the JAX decode-loop-only tokens/s, and the speedup;
-then the JAX per-token decode time at position 64 and at 1024 in one 2048-slot cache (attention always spans the
-whole preallocated cache, so the two should match). Times are the best of `--repeats` runs after a warm-up
-(compilation excluded). Prints the load average first (the table and the JSON line say "measured under load"
-above 0.5 per core, experiments/loadavg.py), a table and one JSON line.
+Four measurements (times are the best of --repeats after a warm-up call that compiles; the load average is read
+and printed before each section, and any section above 0.5 per core flags the table and the JSON line,
+experiments/loadavg.py):
+
+1. **vs HF `generate`** - the tiny Qwen3 (random init, seed 0, float32, no quantization) is exported with
+   `models.save_pretrained` and loaded with transformers' `Qwen3ForCausalLM` (identical weights). Prompt 32 random
+   ids, 128 new tokens, sampling at T=1 without early stop, batch 8 and 32; the engine gets one slot per request
+   (`generate`'s default). End-to-end tokens/s of both (prefill included); the engine's decode tokens/s is
+   batch x 127 / (t(128 tokens) - t(1 token)). `speedup` = engine / HF end to end. Greedy tokens of both sides
+   over the same 128 tokens are compared row by row (batch 8).
+2. **skewed workload** - 256 requests whose response lengths follow a DAPO-like long tail: 97% lognormal
+   (median 40, sigma 0.8, clipped to [4, 512]) and 3% uniform in [256, 512] (one exactly 512), shuffled. The stops
+   are forced exactly at the drawn lengths by a *countdown model*: the tiny architecture (vocab widened to 576,
+   untied head) with o_proj and down_proj set to zero, so every layer still runs all its matmuls and attention
+   but the residual stream is the token embedding; the head maps token c_k to c_{k-1} and c_1 to the stop id, so
+   a prompt ending in c_L yields exactly L tokens (c_{L-1} ... c_1, stop) under greedy decoding. Useful tokens/s
+   = sum of the drawn lengths / wall time, for the engine (continuous, `--skew_slots` slots) and for "today's one
+   static batch" (`EngineConfig(continuous=False, max_slots=256)`: every slot decoded until the longest ends).
+   Both must return exactly the drawn lengths (checked).
+3. **decode cost by position** - batch 8, `EngineConfig(max_len=2048)` (the 2048-slot budget), prompts of 64 and of
+   1024 tokens: ms per decode step = (t(1 + 64 tokens) - t(1 token)) / 64.
+4. **matmul-only ceiling** - batch 32: the model's per-token matmuls alone (q, k, v, o, gate, up, down of every
+   layer and the LM head, with one RMS normalization per step to keep values bounded), 128 steps in one jitted
+   fori_loop, vs the engine's decode tokens/s at batch 32 from (1).
+
+Prints the load first, a table and one JSON line (`"bench": "sampler"`).
 """
 
 from __future__ import annotations
@@ -23,151 +44,312 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments.loadavg import machine_load  # noqa: E402
 from triage_jax import models  # noqa: E402
-from triage_jax.quant import PrecisionPolicy  # noqa: E402
-from triage_jax.sampler import SamplingConfig, decode, generate, prefill, prepare_batch  # noqa: E402
+from triage_jax.sampler import Engine, EngineConfig, SamplingConfig  # noqa: E402
+
+STOP = 1  # the countdown model's stop id
+TARGETS = {"hf_speedup": 2.0, "skewed_ratio": 3.0, "cost_64_over_1024": 0.5, "ceiling_fraction": 0.40}
 
 
-def best_of(fn, repeats):
-    fn()  # warm-up (compilation)
-    times = []
+def timed(fn, repeats):
+    """(best seconds of `repeats` calls after a warm-up call, the last result); repeats=0 times the warm-up call
+    itself (compilation included)."""
+    t0 = time.perf_counter()
+    out = fn()
+    times = [] if repeats else [time.perf_counter() - t0]
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        out = fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(times), out
 
 
-def jax_generate_time(model, prompts, cfg, policy, repeats):
-    gd, state = nnx.split(model)
-    key = jax.random.key(0)
+def engine_run(model, prompts, cfg: SamplingConfig, config: EngineConfig, repeats, key=0):
+    engine = Engine(cfg, config, pad_id=0, model=model)
 
     def run():
-        out = generate((gd, state), prompts, cfg, policy=policy, key=key, pad_id=0)
+        out = engine.generate(prompts, jax.random.key(key))
         jax.block_until_ready(out.tokens)
-        assert int(out.lengths.min()) == cfg.max_new_tokens
+        return out
 
-    return best_of(run, repeats)
-
-
-def jax_decode_time(model, prompts, cfg, policy, repeats, max_cache_len=None):
-    """Seconds of the compiled decode loop alone (prefill excluded) for max_new_tokens - 1 steps."""
-    gd, state = nnx.split(model)
-    key = jax.random.key(0)
-    batch = prepare_batch(prompts, pad_id=0, max_new_tokens=cfg.max_new_tokens, max_cache_len=max_cache_len)
-    times = []
-    for i in range(repeats + 1):
-        dstate = jax.block_until_ready(prefill(gd, state, batch, cfg, policy=policy, key=key, pad_id=0))
-        t0 = time.perf_counter()
-        out = decode(gd, state, dstate, batch, cfg, policy=policy, key=key, pad_id=0)
-        jax.block_until_ready(out.tokens)
-        if i:  # the first run compiles
-            times.append(time.perf_counter() - t0)
-    return min(times)
+    t, out = timed(run, repeats)
+    return t, out, engine
 
 
-def hf_generate_time(hf_model, prompts, new_tokens, repeats):
+# ------------------------------------------------------------------------------------------ 1. vs HF
+
+def hf_time(hf_model, prompts, new_tokens, repeats, greedy=False):
     import torch
 
-    b, t = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros((b, t), dtype=torch.long)
-    mask = torch.zeros((b, t), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, t - len(p):] = torch.tensor(p)
-        mask[i, t - len(p):] = 1
+    ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
 
     def run():
         with torch.inference_mode():
-            out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                    top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                                    eos_token_id=None)
-        assert out.shape[1] == t + new_tokens
+            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None, **kw)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return out[:, ids.shape[1]:].numpy()
 
     torch.manual_seed(0)
-    return best_of(run, repeats)
+    return timed(run, repeats)
 
 
-def greedy_agrees_with_hf(model, hf_model, prompts, n=16):
-    """Same weights, same greedy continuation (a check that both sides run the same model)."""
-    import torch
+def bench_vs_hf(model, hf_model, batches, prompt_len, new_tokens, repeats, rng, vocab):
+    rows = []
+    for b in batches:
+        prompts = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(b)]
+        cap = 1 << (prompt_len + new_tokens - 1).bit_length()
+        config = EngineConfig(max_slots=b, max_len=cap)
+        t_full, out, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=new_tokens), config, repeats)
+        assert int(np.asarray(out.lengths).min()) == new_tokens
+        t_one, _, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=1), config, repeats)
+        row = {"batch": b, "engine_tok_s": b * new_tokens / t_full,
+               "engine_decode_tok_s": b * (new_tokens - 1) / max(t_full - t_one, 1e-9)}
+        if hf_model is not None:
+            t_hf, _ = hf_time(hf_model, prompts, new_tokens, repeats)
+            t_hf1, _ = hf_time(hf_model, prompts, 1, repeats)
+            row.update(hf_tok_s=b * new_tokens / t_hf, hf_decode_tok_s=b * (new_tokens - 1) / max(t_hf - t_hf1, 1e-9))
+            row["speedup"] = t_hf / t_full
+            row["decode_speedup"] = row["engine_decode_tok_s"] / row["hf_decode_tok_s"]
+        rows.append(row)
+    return rows
 
-    ours = generate(model, prompts, SamplingConfig(max_new_tokens=n, greedy=True), key=jax.random.key(0), pad_id=0)
-    for i, p in enumerate(prompts):
-        with torch.inference_mode():
-            ref = hf_model.generate(input_ids=torch.tensor([p]), do_sample=False, max_new_tokens=n,
-                                    min_new_tokens=n, pad_token_id=0, eos_token_id=None)[0, len(p):]
-        if not np.array_equal(np.asarray(ours.tokens[i]), ref.numpy()):
-            return False
-    return True
 
+def greedy_rows_match(model, hf_model, prompt_len, new_tokens, rng, vocab, b=8):
+    prompts = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(b)]
+    cap = 1 << (prompt_len + new_tokens - 1).bit_length()
+    _, out, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=new_tokens, greedy=True),
+                           EngineConfig(max_slots=b, max_len=cap), 0)
+    _, ref = hf_time(hf_model, prompts, new_tokens, 0, greedy=True)
+    ours = np.asarray(out.tokens)
+    return int(sum(np.array_equal(ours[i], ref[i]) for i in range(b))), b
+
+
+# ------------------------------------------------------------------------------------------ 2. skewed workload
+
+def draw_lengths(n, max_new, rng):
+    """DAPO-like long tail: 97% lognormal (median 40, sigma 0.8) clipped to [4, max_new], 3% uniform in
+    [max_new / 2, max_new] with one exactly max_new; shuffled."""
+    n_long = max(1, round(0.03 * n))
+    short = np.clip(np.round(np.exp(rng.normal(np.log(40), 0.8, n - n_long))), 4, max_new)
+    long = rng.integers(max_new // 2, max_new + 1, n_long)
+    long[0] = max_new
+    lengths = np.concatenate([short, long]).astype(int)
+    rng.shuffle(lengths)
+    return lengths
+
+
+def countdown_model(max_new: int, seed: int = 0):
+    """The tiny architecture whose greedy response to a prompt ending in token c_L (= L + 1) is exactly L tokens:
+    c_{L-1}, ..., c_1, STOP. o_proj and down_proj are zero (all matmuls and attention still run), so the final
+    hidden state is the last token's embedding; the untied head maps c_k's embedding to c_{k-1} and c_1's to STOP
+    (a margin of ~hidden_size logits over any other token). Tokens above c_{max_new} are prompt filler."""
+    vocab = 64 * (-(-(max_new + 2 + 32) // 64))
+    cfg = models.get_model_config("tiny", vocab_size=vocab, tie_word_embeddings=False)
+    m = models.Qwen3(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    emb = rng.standard_normal((vocab, cfg.hidden_size)).astype(np.float32)
+    head = np.zeros((cfg.hidden_size, vocab), np.float32)
+    head[:, STOP] = emb[2]  # c_1 = 2 -> STOP
+    for k in range(2, max_new + 1):  # c_k = k + 1 -> c_{k-1} = k
+        head[:, k] = emb[k + 1]
+    m.embed.embedding[...] = jnp.asarray(emb)
+    m.lm_head.kernel[...] = jnp.asarray(head)
+    for layer in m.layers:
+        layer.attn.o_proj.kernel[...] = jnp.zeros_like(layer.attn.o_proj.kernel[...])
+        layer.mlp.down_proj.kernel[...] = jnp.zeros_like(layer.mlp.down_proj.kernel[...])
+    return m, vocab
+
+
+def bench_skewed(n, max_new, prompt_len, slots_list, repeats, rng):
+    lengths = draw_lengths(n, max_new, rng)
+    m, vocab = countdown_model(max_new)
+    prompts = [rng.integers(max_new + 2, vocab, prompt_len - 1).tolist() + [int(L) + 1] for L in lengths]
+    cfg = SamplingConfig(max_new_tokens=max_new, greedy=True, stop_ids=(STOP,))
+    max_len = prompt_len + max_new
+    useful = int(lengths.sum())
+
+    def run(config):
+        t, out, engine = engine_run(m, prompts, cfg, config, repeats)
+        got = np.asarray(out.lengths)
+        if not np.array_equal(got, lengths):
+            bad = np.flatnonzero(got != lengths)[:5]
+            raise AssertionError(f"countdown model: lengths {got[bad].tolist()} != drawn {lengths[bad].tolist()}")
+        return t, engine.rounds
+
+    t_static, rounds_static = run(EngineConfig(max_slots=n, max_len=max_len, continuous=False))
+    engines = []
+    for s in slots_list:
+        t, rounds = run(EngineConfig(max_slots=s, max_len=max_len))
+        engines.append({"slots": s, "seconds": t, "rounds": rounds, "tok_s": useful / t})
+    best = engines[0]
+    return {"requests": n, "useful_tokens": useful, "mean_len": float(lengths.mean()),
+            "median_len": float(np.median(lengths)), "max_len": int(lengths.max()),
+            "n_at_least_256": int((lengths >= max_new // 2).sum()), "vocab": vocab,
+            "static_slots": n, "static_s": t_static, "static_rounds": rounds_static,
+            "static_tok_s": useful / t_static, "engine_slots": best["slots"], "engine_s": best["seconds"],
+            "engine_tok_s": best["tok_s"], "ratio": best["tok_s"] / (useful / t_static),
+            "engines": engines}
+
+
+# ------------------------------------------------------------------------------------------ 3. by position
+
+def bench_positions(model, repeats, rng, vocab, steps=64, budget=2048, b=8):
+    out = {}
+    for pos in (64, 1024):
+        prompts = [rng.integers(2, vocab, pos).tolist() for _ in range(b)]
+        config = EngineConfig(max_slots=b, max_len=budget)
+        t_full, o, eng = engine_run(model, prompts, SamplingConfig(max_new_tokens=steps + 1), config, repeats)
+        assert int(np.asarray(o.lengths).min()) == steps + 1
+        t_one, _, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=1), config, repeats)
+        out[f"ms_per_token_at_{pos}"] = 1e3 * max(t_full - t_one, 0.0) / steps
+        out[f"capacity_at_{pos}"] = sorted(set(eng.capacities))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ 4. matmul ceiling
+
+def matmul_ceiling(cfg, batch, steps, repeats):
+    """Tokens/s and GFLOP/s of the per-token matmuls alone (float32), `steps` tokens in one jitted loop."""
+    d, i_, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    nh, kvh, hd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
+    del hd
+    key = jax.random.key(0)
+    shapes = [(d, nh), (d, kvh), (d, kvh), (nh, d), (d, i_), (d, i_), (i_, d)]
+    layers = [[0.02 * jax.random.normal(jax.random.fold_in(key, 10 * li + j), s, jnp.float32)
+               for j, s in enumerate(shapes)] for li in range(cfg.num_hidden_layers)]
+    head = 0.02 * jax.random.normal(jax.random.fold_in(key, 999), (d, v), jnp.float32)
+    flops = 2 * batch * (sum(a * b for a, b in shapes) * cfg.num_hidden_layers + d * v)
+
+    @jax.jit
+    def loop(x, layers, head):
+        def step(_, x):
+            h = x
+            for wq, wk, wv, wo, wg, wu, wd in layers:
+                q, k, vv = h @ wq, h @ wk, h @ wv
+                h = h + q @ wo + 1e-6 * (k.sum(-1, keepdims=True) + vv.sum(-1, keepdims=True))
+                h = h + ((h @ wg) * (h @ wu)) @ wd
+            logits = h @ head
+            h = h + 1e-6 * logits.max(-1, keepdims=True)
+            return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+        return jax.lax.fori_loop(0, steps, step, x)
+
+    x = jax.random.normal(key, (batch, d), jnp.float32)
+    t, _ = timed(lambda: jax.block_until_ready(loop(x, layers, head)), repeats)
+    return batch * steps / t, flops * steps / t / 1e9
+
+
+# ------------------------------------------------------------------------------------------ main
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new_tokens", type=int, default=128)
     ap.add_argument("--prompt_len", type=int, default=32)
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="8,32")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--decode_tokens", type=int, default=64, help="steps timed at positions 64 and 1024")
+    ap.add_argument("--skew_requests", type=int, default=256)
+    ap.add_argument("--skew_max_new", type=int, default=512)
+    ap.add_argument("--skew_slots", default="64", help="engine slot counts for the skewed workload (first is headline)")
+    ap.add_argument("--skew_repeats", type=int, default=1)
     ap.add_argument("--no_hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (numbers meaningless)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.batches, args.repeats = 8, "2", 1
+        args.skew_requests, args.skew_max_new, args.skew_slots, args.skew_repeats = 16, 32, "4", 0
     load = machine_load()
-    print(load.line())
+    print(load.line(), flush=True)
+    loads = {"start": load}
+
+    def section(name):
+        loads[name] = machine_load()
+        print(f"[{name}] {loads[name].line()}", flush=True)
 
     cfg_model = models.get_model_config("tiny")
     model = models.Qwen3(cfg_model, rngs=nnx.Rngs(0))
-    policy = PrecisionPolicy()  # float32, no quantization on both sides
     rng = np.random.default_rng(0)
     hf_model = None
     if not args.no_hf:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import Qwen3ForCausalLM
 
         with tempfile.TemporaryDirectory() as d:
             models.save_pretrained(model, d)
-            hf_model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        torch.set_num_threads(max(torch.get_num_threads(), 1))
+            hf_model = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
 
-    rows = []
-    cfg = SamplingConfig(max_new_tokens=args.new_tokens)
-    for b in [int(x) for x in args.batches.split(",")]:
-        prompts = [rng.integers(2, cfg_model.vocab_size, args.prompt_len).tolist() for _ in range(b)]
-        n_tok = b * args.new_tokens
-        t_jax = jax_generate_time(model, prompts, cfg, policy, args.repeats)
-        t_dec = jax_decode_time(model, prompts, cfg, policy, args.repeats)
-        row = {"batch": b, "jax_tok_s": n_tok / t_jax, "jax_decode_tok_s": b * (args.new_tokens - 1) / t_dec}
-        if hf_model is not None:
-            t_hf = hf_generate_time(hf_model, prompts, args.new_tokens, args.repeats)
-            row.update(hf_tok_s=n_tok / t_hf, speedup=t_hf / t_jax)
-        rows.append(row)
-
+    batches = [int(x) for x in args.batches.split(",")]
+    section("vs_hf")
+    rows = bench_vs_hf(model, hf_model, batches, args.prompt_len, args.new_tokens, args.repeats, rng,
+                       cfg_model.vocab_size)
     agree = None
     if hf_model is not None:
-        agree = greedy_agrees_with_hf(model, hf_model, [rng.integers(2, cfg_model.vocab_size, 9).tolist()
-                                                        for _ in range(2)])
+        n_same, n_rows = greedy_rows_match(model, hf_model, args.prompt_len, args.new_tokens, rng,
+                                           cfg_model.vocab_size, b=min(8, max(batches)))
+        agree = n_same == n_rows
 
-    # Per-token decode time at two positions of one preallocated 2048-slot cache (batch 8).
-    flat = {}
-    dcfg = SamplingConfig(max_new_tokens=args.decode_tokens + 1)
-    for pos in (64, 1024):
-        prompts = [rng.integers(2, cfg_model.vocab_size, pos).tolist() for _ in range(8)]
-        t = jax_decode_time(model, prompts, dcfg, policy, args.repeats, max_cache_len=2048)
-        flat[f"ms_per_token_at_{pos}"] = 1e3 * t / args.decode_tokens
+    section("skewed")
+    skew = bench_skewed(args.skew_requests, args.skew_max_new, args.prompt_len,
+                        [int(x) for x in args.skew_slots.split(",")], args.skew_repeats, rng)
 
-    print(f"tiny Qwen3 ({sum(x.size for x in jax.tree.leaves(nnx.state(model))) / 1e6:.1f}M params, float32), "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {jax.devices()[0].platform}{load.tag()}")
-    head = f"{'batch':>5} {'jax tok/s':>10} {'jax decode tok/s':>17} {'hf tok/s':>9} {'speedup':>8}"
-    print(head)
+    section("positions")
+    pos = bench_positions(model, args.repeats, rng, cfg_model.vocab_size,
+                          steps=8 if args.quick else 64, budget=2048)
+
+    section("ceiling")
+    cb = 32 if 32 in batches else max(batches)
+    ceil_tok_s, gflops = matmul_ceiling(cfg_model, cb, args.new_tokens, args.repeats)
+    eng_dec = next(r for r in rows if r["batch"] == cb)["engine_decode_tok_s"]
+    ceiling = {"batch": cb, "matmul_tok_s": ceil_tok_s, "matmul_gflop_s": gflops, "engine_decode_tok_s": eng_dec,
+               "fraction": eng_dec / ceil_tok_s}
+
+    under = any(x.under_load for x in loads.values())
+    tag = " [measured under load]" if under else ""
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print()
+    print(f"1. tiny Qwen3 ({n_params / 1e6:.1f}M params, float32), prompt {args.prompt_len}, {args.new_tokens} new "
+          f"tokens, T=1, {jax.devices()[0].platform}, one slot per request{tag}")
+    print(f"{'batch':>5} {'engine tok/s':>12} {'hf tok/s':>9} {'speedup':>8} {'engine decode':>13} "
+          f"{'hf decode':>9} {'decode x':>8}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['jax_tok_s']:>10.0f} {r['jax_decode_tok_s']:>17.0f} "
-              f"{r.get('hf_tok_s', float('nan')):>9.0f} {r.get('speedup', float('nan')):>7.1f}x")
-    print(f"decode step, batch 8, 2048-slot cache: {flat['ms_per_token_at_64']:.2f} ms at position 64, "
-          f"{flat['ms_per_token_at_1024']:.2f} ms at position 1024")
-    print(f"greedy tokens identical to HF transformers on the same weights: {agree}")
-    print(json.dumps({"bench": "sampler", "rows": rows, **flat, "greedy_matches_hf": agree, **load.fields()}))
+        print(f"{r['batch']:>5} {r['engine_tok_s']:>12.0f} {r.get('hf_tok_s', float('nan')):>9.0f} "
+              f"{r.get('speedup', float('nan')):>7.2f}x {r['engine_decode_tok_s']:>13.0f} "
+              f"{r.get('hf_decode_tok_s', float('nan')):>9.0f} {r.get('decode_speedup', float('nan')):>7.2f}x")
+    if hf_model is not None:
+        print(f"   greedy tokens identical to HF on the same weights: {n_same}/{n_rows} rows x {args.new_tokens} tokens")
+    s = skew
+    print(f"2. skewed: {s['requests']} requests, lengths mean {s['mean_len']:.0f} / median {s['median_len']:.0f} / "
+          f"max {s['max_len']} ({s['n_at_least_256']} >= {args.skew_max_new // 2}), {s['useful_tokens']} useful "
+          f"tokens (countdown model, vocab {s['vocab']}){tag}")
+    print(f"   static batch of {s['static_slots']}: {s['static_s']:.2f} s, {s['static_tok_s']:.0f} useful tok/s")
+    for e in s["engines"]:
+        print(f"   engine, {e['slots']} slots, continuous: {e['seconds']:.2f} s, {e['tok_s']:.0f} useful tok/s "
+              f"({e['tok_s'] / s['static_tok_s']:.2f}x)")
+    print(f"3. decode step, batch 8, 2048-slot budget: {pos['ms_per_token_at_64']:.2f} ms at position 64 (capacity "
+          f"{pos['capacity_at_64']}), {pos['ms_per_token_at_1024']:.2f} ms at 1024 (capacity {pos['capacity_at_1024']})"
+          f"; ratio {pos['ms_per_token_at_64'] / max(pos['ms_per_token_at_1024'], 1e-9):.2f}")
+    print(f"4. matmul-only ceiling, batch {cb}: {ceil_tok_s:.0f} tok/s ({gflops:.0f} GFLOP/s); engine decode "
+          f"{eng_dec:.0f} tok/s = {100 * ceiling['fraction']:.0f}% of it")
+    met = {
+        "hf_2x_at_every_batch": None if hf_model is None else all(r["speedup"] >= TARGETS["hf_speedup"] for r in rows),
+        "greedy_identical_to_hf": agree,
+        "skewed_ratio_3x": s["ratio"] >= TARGETS["skewed_ratio"],
+        "cost_64_le_half_1024": pos["ms_per_token_at_64"] <= TARGETS["cost_64_over_1024"] * pos["ms_per_token_at_1024"],
+        "ceiling_40pct": ceiling["fraction"] >= TARGETS["ceiling_fraction"],
+    }
+    print("targets: " + ", ".join(f"{k} {'met' if v else ('n/a' if v is None else 'NOT met')}" for k, v in met.items()))
+    fields = load.fields()
+    fields["measured_under_load"] = under
+    fields["loadavg_by_section"] = {k: x.fields()["loadavg"] for k, x in loads.items()}
+    print(json.dumps({"bench": "sampler", "rows": rows, "greedy_matches_hf": agree, "skewed": skew, **pos,
+                      "ceiling": ceiling, "targets_met": met, **fields}))
 
 
 if __name__ == "__main__":

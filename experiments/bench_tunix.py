@@ -1,0 +1,222 @@
+"""The rollout engine against Google's Tunix sampler on the same HF checkpoint (CPU, greedy, identical weights).
+
+    python -m venv /tmp/tunix_venv && /tmp/tunix_venv/bin/pip install google-tunix   # once, its own venv
+    python experiments/bench_tunix.py [--venv=/tmp/tunix_venv] [--batches=8,32] [--repeats=3]
+
+The tiny Qwen3 (random init, seed 0, float32) is exported with `triage_jax.models.save_pretrained`; Tunix loads that
+directory with its own Qwen3 (`tunix.models.qwen3.params.create_model_from_safe_tensors`) and decodes it with
+`tunix.generate.sampler.Sampler`, in a subprocess running the Tunix venv's python (Tunix is never installed into
+this project's environment). Both sides: prompt 32 random ids, 128 new tokens, greedy, no stop (Tunix gets
+eos_tokens=[-1], a token it never draws), KV cache of 256 slots (Tunix attends over all of it; the engine's
+capacity follows the held tokens), batch 8 and 32. The tiny config is used with rope_theta = 1e6: Tunix 0.1.7's Qwen3
+never passes its config's rope_theta to `apply_rope` (whose default, 1e6, is what it always applies), so with the
+tiny config's 1e4 it would run a different model (its greedy tokens then differ from HF's and ours).
+
+Timed per side and batch (best of --repeats after a warm-up that compiles): end to end (prefill + 128 tokens)
+and the same call with 1 new token (prefill + first draw); decode tokens/s = batch x 127 / (difference). The two
+sides run one after the other in one invocation and the load average is read before each. The greedy tokens of
+both sides are compared row by row. Prints the load first, a table and one JSON line (`"bench": "tunix"`).
+
+The worker half (`--worker`) imports only the standard library, numpy, jax and tunix, so it runs in the Tunix venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TUNIX_ROPE_THETA = 1_000_000.0  # the only RoPE base Tunix 0.1.7's Qwen3 applies (see main)
+
+
+# ------------------------------------------------------------------------------------------ Tunix side (its venv)
+
+class IdTokenizer:
+    """Tunix's sampler takes strings: a prompt is its token ids joined by spaces. No BOS, pad 0."""
+
+    def encode(self, text, **kw):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **kw):
+        return " ".join(str(int(t)) for t in ids)
+
+    def bos_id(self):
+        return None
+
+    def eos_id(self):
+        return -1
+
+    def pad_id(self):
+        return 0
+
+
+def tunix_worker(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tunix.generate import sampler as sampler_lib
+    from tunix.models.qwen3 import model as model_lib
+    from tunix.models.qwen3 import params as params_lib
+
+    with open(os.path.join(args.ckpt, "config.json")) as f:
+        hf = json.load(f)
+    cfg = model_lib.ModelConfig(
+        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
+        hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
+        num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]), norm_eps=hf["rms_norm_eps"],
+        use_tied_embedding=bool(hf.get("tie_word_embeddings", False)), dtype=jnp.float32, param_dtype=jnp.float32)
+    if float(hf["rope_theta"]) != TUNIX_ROPE_THETA:
+        print(f"warning: rope_theta={hf['rope_theta']} but Tunix applies {TUNIX_ROPE_THETA}", file=sys.stderr)
+    model = params_lib.create_model_from_safe_tensors(args.ckpt, cfg, dtype=jnp.float32)
+    with open(args.prompts) as f:
+        job = json.load(f)
+    cache = sampler_lib.CacheConfig(cache_size=job["cache_size"], num_layers=cfg.num_layers,
+                                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    sampler = sampler_lib.Sampler(model, IdTokenizer(), cache)
+    result = {"jax": jax.__version__, "backend": jax.devices()[0].platform, "rows": []}
+    try:
+        from importlib.metadata import version
+
+        result["tunix"] = version("google-tunix")
+    except Exception:  # noqa: BLE001
+        result["tunix"] = "?"
+    for prompts in job["batches"]:
+        texts = [" ".join(str(t) for t in p) for p in prompts]
+
+        def run(n):
+            out = sampler(texts, max_generation_steps=n, max_prompt_length=job["prompt_len"], temperature=0.0,
+                          eos_tokens=[-1], seed=0)
+            return [np.asarray(t).tolist() for t in out.tokens]
+
+        def best(n):
+            toks = run(n)  # warm-up: compiles
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                toks = run(n)
+                times.append(time.perf_counter() - t0)
+            return min(times), toks
+
+        t_full, toks = best(job["new_tokens"])
+        t_one, _ = best(1)
+        result["rows"].append({"batch": len(prompts), "t_full": t_full, "t_one": t_one, "tokens": toks})
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+# ------------------------------------------------------------------------------------------ engine side (this env)
+
+def engine_times(model, prompts, new_tokens, cache_size, repeats):
+    import jax
+
+    from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
+
+    def best(n):
+        eng = Engine(SamplingConfig(max_new_tokens=n, greedy=True),
+                     EngineConfig(max_slots=len(prompts), max_len=cache_size), pad_id=0, model=model)
+        out = eng.generate(prompts, jax.random.key(0))  # warm-up: compiles
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = eng.generate(prompts, jax.random.key(0))
+            jax.block_until_ready(out.tokens)
+            times.append(time.perf_counter() - t0)
+        return min(times), out
+
+    t_full, out = best(new_tokens)
+    assert int(out.lengths.min()) == new_tokens
+    t_one, _ = best(1)
+    return t_full, t_one, [list(map(int, row)) for row in out.tokens.tolist()]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--venv", default=os.environ.get("TUNIX_VENV", "/tmp/tunix_venv"))
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--prompt_len", type=int, default=32)
+    ap.add_argument("--new_tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return tunix_worker(args)
+
+    sys.path.insert(0, ROOT)
+    import numpy as np
+    from flax import nnx
+
+    from experiments.loadavg import machine_load
+    from triage_jax import models
+
+    load = machine_load()
+    print(load.line(), flush=True)
+    py = os.path.join(args.venv, "bin", "python")
+    if not os.path.exists(py):
+        raise SystemExit(f"no Tunix venv at {args.venv}: python -m venv {args.venv} && "
+                         f"{args.venv}/bin/pip install google-tunix")
+    # rope_theta 1e6 (real Qwen3's): Tunix 0.1.7's Qwen3 ignores config.rope_theta (apply_rope is called with its
+    # default 1_000_000), so the tiny config's 1e4 would give Tunix a different model than the checkpoint's.
+    cfg_model = models.get_model_config("tiny", rope_theta=TUNIX_ROPE_THETA)
+    model = models.Qwen3(cfg_model, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    batches = [int(x) for x in args.batches.split(",")]
+    cache_size = 1 << (args.prompt_len + args.new_tokens - 1).bit_length()
+    prompt_sets = [[rng.integers(2, cfg_model.vocab_size, args.prompt_len).tolist() for _ in range(b)]
+                   for b in batches]
+    eng = [engine_times(model, p, args.new_tokens, cache_size, args.repeats) for p in prompt_sets]
+    load_tunix = machine_load()
+    print(f"before Tunix: {load_tunix.line()}", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        models.save_pretrained(model, os.path.join(d, "ckpt"))
+        with open(os.path.join(d, "job.json"), "w") as f:
+            json.dump({"batches": prompt_sets, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                       "cache_size": cache_size}, f)
+        proc = subprocess.run([py, os.path.abspath(__file__), "--worker", f"--ckpt={d}/ckpt",
+                               f"--prompts={d}/job.json", f"--out={d}/out.json", f"--repeats={args.repeats}"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr[-6000:])
+            raise SystemExit(f"the Tunix worker failed (exit {proc.returncode}); its stderr is above")
+        with open(os.path.join(d, "out.json")) as f:
+            tunix = json.load(f)
+
+    rows = []
+    for b, (t_full, t_one, toks), tr in zip(batches, eng, tunix["rows"]):
+        dec = b * (args.new_tokens - 1)
+        same = toks == [r[:args.new_tokens] for r in tr["tokens"]]
+        row = {"batch": b, "engine_tok_s": b * args.new_tokens / t_full,
+               "engine_decode_tok_s": dec / max(t_full - t_one, 1e-9),
+               "tunix_tok_s": b * args.new_tokens / tr["t_full"],
+               "tunix_decode_tok_s": dec / max(tr["t_full"] - tr["t_one"], 1e-9),
+               "tunix_tokens_per_row": sorted({len(r) for r in tr["tokens"]}), "greedy_identical": same}
+        row["speedup"] = row["engine_tok_s"] / row["tunix_tok_s"]
+        row["decode_speedup"] = row["engine_decode_tok_s"] / row["tunix_decode_tok_s"]
+        rows.append(row)
+    print(f"tiny Qwen3 float32, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, cache {cache_size}; "
+          f"Tunix {tunix['tunix']} (jax {tunix['jax']}, {tunix['backend']}){load.tag() or load_tunix.tag()}")
+    print(f"{'batch':>5} {'engine tok/s':>12} {'tunix tok/s':>11} {'e2e x':>6} {'engine dec tok/s':>16} "
+          f"{'tunix dec tok/s':>15} {'decode x':>8} {'same tokens':>11}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['engine_tok_s']:>12.0f} {r['tunix_tok_s']:>11.0f} {r['speedup']:>5.2f}x "
+              f"{r['engine_decode_tok_s']:>16.0f} {r['tunix_decode_tok_s']:>15.0f} {r['decode_speedup']:>7.2f}x "
+              f"{str(r['greedy_identical']):>11}")
+    target = all(r["decode_speedup"] >= 1.5 for r in rows)
+    print(f"target >= 1.5x Tunix decode tok/s at every batch: {'met' if target else 'NOT met'}")
+    fields = load.fields()
+    fields["loadavg_before_tunix"] = load_tunix.fields()["loadavg"]
+    fields["measured_under_load"] = load.under_load or load_tunix.under_load
+    print(json.dumps({"bench": "tunix", "tunix_version": tunix["tunix"],
+                      "rows": [{k: v for k, v in r.items() if k != "tunix_tokens_per_row"} for r in rows],
+                      "target_1_5x_met": target, **fields}))
+
+
+if __name__ == "__main__":
+    main()
