@@ -14,13 +14,19 @@ from hypothesis import strategies as st
 
 from triage_jax.rl.diagnostics import (DELTA_HIST_EDGES, QUADRANTS, delta_energy, delta_energy_realized,
                                        delta_histogram, masked_quantiles, mismatch_metrics)
+from triage_jax.rl.corrections import CORRECTIONS, apply_correction, make_config
 from triage_jax.rl.triage import TriageConfig, gate_weights
 
 SPEC_NAMES = {"mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token",
               "rho_asym", "tail_freq", "tail_top5_share", "tail_concentration", "tail_persistence", "hidden_by_mean",
               "energy", "b_amp", "b_con"} | {f"quad_{k}_{q}" for k in ("tok", "mass") for q in QUADRANTS}
+PEER_NAMES = {"chi2_seq", "rho_seq_q05", "rho_seq_q50", "rho_seq_q95", "ess_token", "ess_seq",
+              "token_mult_prob_error"} | {f"frac_corrected_{c}" for c in CORRECTIONS if c != "none"}
 N, T = 6, 20
 CFG = TriageConfig(segment_len=4)
+
+
+LN2 = math.log(2.0)
 
 
 def f(x):
@@ -82,6 +88,16 @@ def ref_metrics(adv, delta, mask, cfg, weights):
     out["energy"] = 0.5 * np.sum(d[m] ** 2)
     dg = np.where(m, d * w * a, 0.0)
     out["b_amp"], out["b_con"] = dg[dg > 0].sum(), -dg[dg < 0].sum()
+    # the peers' diagnostics
+    rows = [i for i in range(n_rows) if m[i].any()]
+    s_i = np.array([d[i, m[i]].sum() for i in rows])
+    rho = np.exp(np.clip(s_i, -20, 20))
+    out["chi2_seq"] = np.mean(rho ** 2) - 1
+    out["rho_seq_q05"], out["rho_seq_q50"], out["rho_seq_q95"] = np.quantile(rho, [0.05, 0.5, 0.95])
+    wt, ws = np.exp(d[m]), np.exp(s_i)
+    out["ess_token"] = wt.sum() ** 2 / (n * (wt ** 2).sum())
+    out["ess_seq"] = ws.sum() ** 2 / (len(rows) * (ws ** 2).sum())
+    out["token_mult_prob_error"] = np.mean(np.exp(np.abs(d[m])))
     return out
 
 
@@ -144,6 +160,45 @@ def test_hand_computed_batch():
     assert_metrics_close(m, want, rtol=1e-5)
 
 
+def test_hand_computed_peer_diagnostics():
+    # Response sums of delta: ln 2, ln 0.5, 30 (clipped to 20 for the sequence weight), and an empty response.
+    delta = np.array([[LN2, 0.0, 0.0], [-LN2 / 2, -LN2 / 2, 0.0], [10.0, 10.0, 10.0], [0.0, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]], bool)
+    adv = np.array([1.0, -1.0, -1.0, -1.0], np.float32)
+    m = f(mismatch_metrics(adv, delta, mask, CFG))
+    assert PEER_NAMES <= set(m)
+    rho = np.array([2.0, 0.5, math.exp(20)])
+    assert m["chi2_seq"] == pytest.approx(np.mean(rho ** 2) - 1, rel=1e-5)
+    assert m["rho_seq_q50"] == pytest.approx(2.0, rel=1e-6)  # numpy 'linear' over the 3 responses
+    assert m["rho_seq_q05"] == pytest.approx(0.5 + 0.1 * 1.5, rel=1e-6)
+    assert m["rho_seq_q95"] == pytest.approx(2 + 0.9 * (math.exp(20) - 2), rel=1e-5)
+    # ESS: the sequence weights are not clipped (exp(30) dominates: ESS -> 1/3), nor the token ones.
+    assert m["ess_seq"] == pytest.approx(1 / 3, rel=1e-6)
+    wt = np.exp(np.array([LN2, 0, -LN2 / 2, -LN2 / 2, 0, 10, 10, 10]))
+    assert m["ess_token"] == pytest.approx(wt.sum() ** 2 / (8 * (wt ** 2).sum()), rel=1e-5)
+    assert m["token_mult_prob_error"] == pytest.approx(np.mean(np.exp(np.abs(np.log(wt)))), rel=1e-5)
+    # frac_corrected_<name>: what each rule (default settings) clips, zeroes or drops, over the 8 real tokens.
+    assert m["frac_corrected_token_tis"] == pytest.approx(3 / 8)  # the three exp(10) > 2
+    assert m["frac_corrected_seq_tis"] == pytest.approx(3 / 8)  # response 2 (exp(20) > 2); ln 2 is not > ln 2
+    assert m["frac_corrected_opsm"] == pytest.approx(3 / 8)  # response 1: A < 0 and mean(-delta) = ln2/3 > 1e-4
+    assert m["frac_corrected_geo_rs"] == 1.0  # every response is outside [0.999, 1.001]
+
+
+def test_frac_corrected_agrees_with_apply_correction():
+    rng = np.random.default_rng(1)
+    delta = (0.4 * rng.standard_normal((N, T))).astype(np.float32)
+    mask = np.arange(T)[None] < rng.integers(0, T + 1, (N, 1))
+    adv = rng.choice([-1.0, 0.5, 1.0], N).astype(np.float32)
+    m = f(mismatch_metrics(adv, delta, mask, CFG))
+    for name in CORRECTIONS:
+        if name == "none":
+            continue
+        cfg = CFG if name == "triage" else make_config(name)
+        met = apply_correction(name, adv=adv, delta=delta, mask=mask, cfg=cfg).metrics
+        assert m[f"frac_corrected_{name}"] == pytest.approx(float(met["frac_clipped"] + met["frac_masked"]),
+                                                            abs=1e-6), name
+
+
 def test_hand_computed_persistence_and_hidden_by_mean():
     # Segment length 1: each token is a segment. Both responses A < 0; tail tokens (-1) at r0 {0, 1, 9}, r1 {0};
     # tail_freq = 4/20, so dense = tail segment; P(dense) = 4/20; adjacent pairs with a dense first: r0 (0,1),
@@ -170,7 +225,7 @@ def test_empty_denominators_are_nan():
     m = f(mismatch_metrics(np.array([-1.0], np.float32), np.abs(delta) * 0.1, mask, CFG))  # no tail token
     assert math.isnan(m["tail_persistence"]) and math.isnan(m["hidden_by_mean"]) and m["tail_freq"] == 0.0
     m = f(mismatch_metrics(np.array([-1.0], np.float32), delta, np.zeros((1, 4), bool), CFG))  # no token at all
-    for k in SPEC_NAMES - {"energy", "b_amp", "b_con"}:
+    for k in (SPEC_NAMES | PEER_NAMES) - {"energy", "b_amp", "b_con"}:
         assert math.isnan(m[k]), k
     assert m["energy"] == m["b_amp"] == m["b_con"] == 0.0 and m["n_tokens"] == 0.0
 

@@ -13,6 +13,13 @@
 - `tail_freq` (delta < -tau_tail), `tail_top5_share`, `tail_concentration` (= share / 0.05), `tail_persistence`,
   `hidden_by_mean`.
 - `energy` = 1/2 sum m*delta^2, `b_amp`, `b_con` with g = weights * A (weights default: TRIAGE alpha of `cfg`).
+- The peers' diagnostics (docs/rl_math.md#peer-diagnostics): `chi2_seq` = mean_i(rho_i^2) - 1 over responses with
+  rho_i = exp(clip(sum_t delta, +-20)) (the sequence IS weight the seq corrections see, before their clamp),
+  `rho_seq_q05`, `rho_seq_q50`, `rho_seq_q95` (its quantiles), `ess_token` and `ess_seq` (Kish effective sample
+  size (sum w)^2 / (n sum w^2) of the raw token weights exp(delta) and sequence weights exp(sum_t delta), computed
+  shifted by their max so that no weight overflows), `token_mult_prob_error` = mean exp(|delta|) (NeMo-RL), and for
+  every registered correction but `none` `frac_corrected_<name>`: the fraction of real tokens that rule clips,
+  zeroes or drops on this batch at its default settings (TRIAGE at `cfg`).
 - `n_tokens`, `n_segments` (segments holding a real token), for reference.
 
 A metric whose denominator is empty is NaN. A segment is tail-dense when f_S >= 2 * tail_freq and it holds at
@@ -29,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triage_jax.rl._checks import F32, check_adv_any, check_float, check_mask, safe_div
+from triage_jax.rl.corrections import CORRECTIONS, SEQ_LOG_RATIO_CLIP
 from triage_jax.rl.triage import TriageConfig, core_sums, gate, segment_counts, segment_weights, stats_from_sums
 
 SMALL_DELTA = 0.05
@@ -242,6 +250,35 @@ def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, we
     out["hidden_by_mean"] = safe_div(n_hidden, n_has_dense)
     out["energy"] = 0.5 * d2
     out["b_amp"], out["b_con"] = b_tot[0], b_tot[1]
+    out.update(_peer_metrics(adv, d, real, mask_nt, sum_d_i, n_i, n_tok, cfg))
+    return out
+
+
+def _kish(log_w: jax.Array, keep: jax.Array, n: jax.Array) -> jax.Array:
+    """(sum w)^2 / (n sum w^2) of w = exp(log_w) over `keep`, shifted by the max log weight (scale-invariant)."""
+    top = jnp.max(jnp.where(keep, log_w, -jnp.inf))
+    w = jnp.where(keep, jnp.exp(log_w - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0).reshape(-1)
+    s1, s2 = jnp.sum(w), jnp.dot(w, w)
+    return safe_div(safe_div(s1 * s1, s2), n)
+
+
+def _peer_metrics(adv, d, real, mask_nt, sum_d_i, n_i, n_tok, cfg: TriageConfig) -> dict[str, jax.Array]:
+    """The diagnostics Verl, NeMo-RL and slime log, next to the paper's (module docstring); d is 0 off `real`."""
+    seq = n_i > 0
+    n_seq = jnp.sum(seq.astype(F32))
+    log_rho = jnp.clip(sum_d_i, -SEQ_LOG_RATIO_CLIP, SEQ_LOG_RATIO_CLIP)
+    out = {"chi2_seq": safe_div(jnp.sum(jnp.where(seq, jnp.expm1(2.0 * log_rho), 0.0)), n_seq)}
+    q = _quantiles(jnp.exp(log_rho), seq.astype(F32), QUANTILES, jnp.sum(seq, dtype=jnp.int32))
+    out["rho_seq_q05"], out["rho_seq_q50"], out["rho_seq_q95"] = q[0], q[1], q[2]
+    out["ess_token"] = _kish(d, real, n_tok)
+    out["ess_seq"] = _kish(sum_d_i, seq, n_seq)
+    out["token_mult_prob_error"] = 1.0 + safe_div(jnp.sum(jnp.where(real, jnp.expm1(jnp.abs(d)), 0.0)), n_tok)
+    for name, corr in CORRECTIONS.items():
+        if name == "none":
+            continue
+        c = cfg if corr.config_cls is TriageConfig else corr.config_cls()
+        _, keep, clipped = corr.rule(adv, d, mask_nt, c)
+        out[f"frac_corrected_{name}"] = safe_div(jnp.sum((real & (clipped | (keep <= 0))).astype(F32)), n_tok)
     return out
 
 
