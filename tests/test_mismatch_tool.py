@@ -47,3 +47,24 @@ def test_bad_flag_is_rejected(capsys):
     with pytest.raises(SystemExit):
         mismatch.main(["--sampler=int3"])
     assert "int3" in capsys.readouterr().err
+
+
+def test_rules_dial(capsys):
+    # --sampler_rules turning every decoder layer to BF16 makes a w4a4 sampler a bf16 one: no gap in float32;
+    # keeping only the last of the 4 layers quantized leaves a gap in between.
+    base = ("--learner=bf16", "--sampler=w4a4", "--dtype=float32", "--prompts=random", "--prompt_len=5")
+    full = _run(capsys, *base)
+    none = _run(capsys, *base, "--sampler_rules=first:4=bf16")
+    part = _run(capsys, *base, "--sampler_rules=first:0.75=bf16")
+    assert none["sampler_rules"] == ["^layers\\.(0|1|2|3)\\.=bf16"] and none["learner_rules"] == []
+    assert none["mean_abs_delta"] < 1e-5 < part["mean_abs_delta"] and full["mean_abs_delta"] > 1e-4
+    both = _run(capsys, *base, "--rules=last:1=bf16", "--learner_rules=attn=w4a16")
+    assert both["sampler_rules"] == ["^layers\\.(3)\\.=bf16"]
+    assert both["learner_rules"] == ["attn=w4a16", "^layers\\.(3)\\.=bf16"]
+
+
+def test_bad_rule_is_a_clear_error(capsys):
+    assert mismatch.main(["--config=tiny", "--rules=last:9=bf16"]) == 2
+    assert "precision rule 'last:9=bf16'" in capsys.readouterr().err
+    assert mismatch.main(["--config=tiny", "--learner_rules=attn=w3a3"]) == 2
+    assert "unknown preset 'w3a3'" in capsys.readouterr().err

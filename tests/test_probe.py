@@ -60,3 +60,27 @@ def test_both_sides_agree_in_float32_and_delta_is_rl_delta():
     delta = token_delta(lp, out.logprobs, out.mask)
     assert float(jnp.abs(delta).max()) < 1e-4  # float32 both ways: the same numbers up to reduction order
     np.testing.assert_array_equal(np.asarray(delta)[~np.asarray(out.mask)], 0.0)
+
+
+def test_rules_reach_both_sides():
+    # A rule matching every quantized layer turns the w4a4 preset into BF16 (the keep-high-precision defaults
+    # already cover the rest): both sides then compute exactly what the bf16 preset does.
+    model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2, dtype="float32"), rngs=nnx.Rngs(0))
+    prompts = probe.random_prompts(model.cfg.vocab_size, 2, 5, seed=0)
+    cfg = SamplingConfig(max_new_tokens=4, temperature=1.0)
+    every = (("^layers\\.", "bf16"),)
+    ref = probe.sample_responses(model, prompts, cfg, sampler="bf16", kv="bf16", seed=0, pad_id=0)
+    out = probe.sample_responses(model, prompts, cfg, sampler="w4a4", kv="bf16", seed=0, pad_id=0, rules=every)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.logprobs, ref.logprobs)
+    v = model.cfg.vocab_size
+    lp_ref = probe.recompute_logprobs(model, ref, "bf16", temperature=1.0, vocab_chunk=v)
+    np.testing.assert_array_equal(probe.recompute_logprobs(model, ref, "w4a4", temperature=1.0, vocab_chunk=v,
+                                                           rules=every), lp_ref)
+    # one layer back in BF16 moves the learner's log-probs, but less than the whole w4a4 learner does
+    lp_q = probe.recompute_logprobs(model, ref, "w4a4", temperature=1.0, vocab_chunk=v)
+    lp_1 = probe.recompute_logprobs(model, ref, "w4a4", temperature=1.0, vocab_chunk=v, rules=(("^layers\\.1\\.", "bf16"),))
+    assert 0 < float(jnp.abs(lp_1 - lp_ref).sum()) and float(jnp.abs(lp_1 - lp_q).sum()) > 0
+    # the sampler side keeps its token-wise activation scales for rule presets
+    (_, prec), = probe.sampler_rules((("attn", "w4a4"),))
+    assert prec.act_scaling == "row" and probe.sampler_rules((("x", "bf16"),))[0][1].act_scaling == "tensor"

@@ -1,6 +1,7 @@
 """The quantized dot (dense and grouped): forward and gradients against float references, policies."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -257,6 +258,26 @@ def test_policy_presets_and_rules():
         PrecisionPolicy.from_spec("w3a3")
     with pytest.raises(ValueError, match="grad='sr'"):
         LayerPrecision(grad="sr")
+
+
+def test_parse_rules():
+    from triage_jax.quant.policy import layers_regex, parse_rule, parse_rules
+
+    # last 15% of 28 layers, rounded up: the last 5
+    assert parse_rules(["last:0.15=bf16", "first:2=w4a16", r"mlp\.down_proj=w4a8"], 28) == (
+        (r"^layers\.(23|24|25|26|27)\.", "bf16"), (r"^layers\.(0|1)\.", "w4a16"), (r"mlp\.down_proj", "w4a8"))
+    assert layers_regex([3, 1]) == r"^layers\.(1|3)\."
+    pol = PrecisionPolicy.from_spec("w4a4", rules=parse_rules(["last:1=bf16"], 12))
+    assert not pol.for_layer("layers.11.mlp.down_proj").quantized and pol.for_layer("layers.1.mlp.down_proj").quantized
+    assert pol.for_layer("layers.10.mlp.down_proj").quantized  # "1" must not match "11"'s prefix the other way
+    assert parse_rule("a=b=w4a4") == ("a=b", "w4a4")  # split at the last "="
+    for bad, msg in (("last:0=bf16", "not a layer count in 1..4"), ("last:5=bf16", "1..4"),
+                     ("first:1.5=bf16", "1..4"), ("x=w3a3", "unknown preset 'w3a3'"), ("noeq", "expected REGEX=PRESET"),
+                     ("(=bf16", "bad regex"), ("last:abc=bf16", "neither a layer count")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            parse_rule(bad, 4)
+    with pytest.raises(ValueError, match="number of layers"):
+        parse_rule("last:2=bf16")
 
 
 # --- the non-finite debug mode is part of the compiled program's key ---------------------------------------------

@@ -7,10 +7,14 @@ The library side of `python -m triage_jax.tools.mismatch`, shared with the studi
     delta = token_delta(learner_logp, out.logprobs, out.mask)       # from triage_jax.rl.delta (the one definition)
     adv, scored = advantages(out.tokens, out.mask, truths, tok, group_size)
     metrics = diagnostics(adv, delta, out.mask)
+
+Both sides take per-layer precision rules, (module-path regex, preset) pairs as `quant.policy.parse_rules` returns
+them (`rules=`), ahead of the preset: e.g. (r"^layers\.(3)\.", "bf16") keeps layer 3 in BF16.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -21,7 +25,7 @@ from flax import nnx
 
 from triage_jax.data.rewards import score_batch
 from triage_jax.logprobs import response_logprobs
-from triage_jax.quant import PrecisionPolicy
+from triage_jax.quant import PRESETS, PrecisionPolicy
 from triage_jax.rl import group_advantages, mismatch_metrics
 from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
 
@@ -48,10 +52,20 @@ def random_prompts(vocab_size: int, num_prompts: int, prompt_len: int, *, seed: 
 
 # ------------------------------------------------------------------------------------------------ both sides
 
+def sampler_rules(rules) -> tuple:
+    """Rules for the sampler side: their presets with the sampler's token-wise activation scales (as its default)."""
+    out = []
+    for pattern, prec in rules:
+        prec = PRESETS[prec] if isinstance(prec, str) else prec
+        out.append((pattern, dataclasses.replace(prec, act_scaling="row") if prec.act != "none" else prec))
+    return tuple(out)
+
+
 def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: str, seed: int, pad_id: int,
-                     max_cache_len: int | None = None):
-    """The sampler side: `prompts` answered under the `sampler` preset (weights quantized once) -> SampleOutput."""
-    policy = sampler_policy(sampler, kv_cache=kv)
+                     max_cache_len: int | None = None, rules=()):
+    """The sampler side: `prompts` answered under the `sampler` preset (weights quantized once) -> SampleOutput.
+    `rules`: per-layer (regex, preset) pairs ahead of the preset (activations token-wise, as the preset's)."""
+    policy = sampler_policy(sampler, kv_cache=kv, rules=sampler_rules(rules))
     return generate(prepare_model(model, policy), prompts, cfg, policy=policy, key=jax.random.key(seed),
                     pad_id=pad_id, max_cache_len=max_cache_len)
 
@@ -64,12 +78,12 @@ def _jitted_logprobs(temperature: float, vocab_chunk: int):
         static_argnums=(0, 2))
 
 
-def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int) -> jax.Array:
+def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int, rules=()) -> jax.Array:
     """The learner side: log-probs [N, T] of `out`'s sampled tokens in one teacher-forced pass under the `learner`
-    preset (one compilation per (temperature, vocab_chunk, model structure, preset))."""
+    preset and per-layer `rules` (one compilation per (temperature, vocab_chunk, model structure, policy))."""
     graphdef, state = nnx.split(model)
     return _jitted_logprobs(float(temperature), int(vocab_chunk))(
-        graphdef, state, PrecisionPolicy.from_spec(learner), out.prompt_tokens, out.prompt_mask, out.tokens,
+        graphdef, state, PrecisionPolicy.from_spec(learner, rules=tuple(rules)), out.prompt_tokens, out.prompt_mask, out.tokens,
         out.mask)
 
 

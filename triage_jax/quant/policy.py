@@ -8,6 +8,7 @@ embeddings, the LM head, the MoE router and norms stay in high precision.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Iterable
 
@@ -147,3 +148,58 @@ class PrecisionPolicy:
         if any(re.search(p, path) for p in self.keep_high_precision):
             return HIGH
         return self.default
+
+
+# --- per-layer rules from strings (the tools' --rules) ----------------------------------------------------------
+
+
+def layers_regex(layers: Iterable[int]) -> str:
+    """The module-path regex of decoder layers `layers` (e.g. [13, 14] -> r"^layers\.(13|14)\.")."""
+    ids = sorted({int(i) for i in layers})
+    if not ids:
+        raise ValueError("layers_regex: no layer given")
+    return r"^layers\.(" + "|".join(map(str, ids)) + r")\."
+
+
+def _layer_count(spec: str, how_many: str, num_layers: int | None) -> int:
+    if num_layers is None:
+        raise ValueError(f"precision rule {spec!r}: a first:/last: rule needs the model's number of layers")
+    try:
+        v = float(how_many)
+    except ValueError:
+        raise ValueError(f"precision rule {spec!r}: {how_many!r} is neither a layer count nor a fraction") from None
+    # a whole number counts layers; a fraction in (0, 1) is rounded up (last:0.15 of 28 layers = the last 5)
+    k = int(v) if v >= 1 and v == int(v) else math.ceil(v * num_layers - 1e-9) if 0 < v < 1 else 0
+    if not 1 <= k <= num_layers:
+        raise ValueError(f"precision rule {spec!r}: {how_many!r} is not a layer count in 1..{num_layers} nor a "
+                         f"fraction in (0, 1)")
+    return k
+
+
+def parse_rule(spec: str, num_layers: int | None = None) -> tuple[str, str]:
+    """One precision rule from a string: (module-path regex, preset name).
+
+    "REGEX=PRESET" (split at the last "="; REGEX is `re.search`ed on module paths such as
+    "layers.3.mlp.down_proj"), or "last:K=PRESET" / "first:K=PRESET" for the last / first K decoder layers, K a
+    count or a fraction of `num_layers` rounded up: "last:0.15=bf16" keeps the last 15% of the layers in BF16.
+    """
+    pattern, sep, preset = spec.rpartition("=")
+    if not sep or not pattern or not preset:
+        raise ValueError(f"precision rule {spec!r}: expected REGEX=PRESET, last:K=PRESET or first:K=PRESET")
+    if preset not in PRESETS:
+        raise ValueError(f"precision rule {spec!r}: unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    which, colon, how_many = pattern.partition(":")
+    if colon and which in ("first", "last"):
+        k = _layer_count(spec, how_many, num_layers)
+        ids = range(k) if which == "first" else range(num_layers - k, num_layers)
+        return layers_regex(ids), preset
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"precision rule {spec!r}: bad regex {pattern!r} ({e})") from None
+    return pattern, preset
+
+
+def parse_rules(specs: Iterable[str], num_layers: int | None = None) -> tuple[tuple[str, str], ...]:
+    """parse_rule of each spec, in order (the first matching rule wins in PrecisionPolicy)."""
+    return tuple(parse_rule(s, num_layers) for s in specs)

@@ -1,6 +1,7 @@
 """Mismatch probe: sample with the sampler's precision, recompute log-probs with the learner's, report the gap.
 
     python -m triage_jax.tools.mismatch --config=tiny --learner=bf16 --sampler=w4a4 [--kv=fp8] [--num_prompts=8]
+        [--rules='last:0.15=bf16'] [--sampler_rules='mlp\.down_proj=w4a8'] [--learner_rules=...]
 
 delta = learner log-prob - sampler log-prob per response token (docs/rl_math.md#delta). Prompts are synthetic math
 problems (character tokenizer; a checkpoint's own tokenizer.json with --checkpoint), or random token ids with
@@ -9,6 +10,12 @@ the advantages of the quadrant metrics; a random-init model answers nothing righ
 denominators) there, and random prompts (nothing to score) use advantage 1 for every response. Prints a table of
 every diagnostic of `triage_jax.rl.mismatch_metrics` and one JSON line. The probe itself (sampling, recompute,
 scoring, diagnostics) is `triage_jax.probe`; this module is its command line.
+
+Per-layer dial: --rules (both sides), --sampler_rules and --learner_rules (one side, ahead of --rules) each take a
+precision rule, repeatable: REGEX=PRESET on module paths ("layers.3.mlp.down_proj", "layers.0.attn.q_proj",
+"lm_head"; see triage_jax/models/qwen3.py), or last:K=PRESET / first:K=PRESET for the last / first K decoder
+layers, K a count or a fraction rounded up (quant.policy.parse_rule). The first matching rule wins, then the
+high-precision defaults (embeddings, LM head, router, norms), then the preset.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from flax import nnx
 
 from triage_jax import data, models, probe
 from triage_jax.quant import PRESETS
+from triage_jax.quant.policy import parse_rules
 from triage_jax.rl.delta import token_delta
 from triage_jax.sampler import SamplingConfig
 
@@ -35,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--learner", default="bf16", choices=sorted(PRESETS), help="learner precision preset")
     p.add_argument("--sampler", default="w4a4", choices=sorted(PRESETS), help="sampler precision preset")
     p.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="sampler KV-cache format")
+    for side in ("", "sampler_", "learner_"):
+        p.add_argument(f"--{side}rules", action="append", default=[], metavar="REGEX=PRESET",
+                       help=f"per-layer precision rule for {side[:-1] or 'both sides'} (repeatable; REGEX=PRESET, "
+                            "last:K=PRESET, first:K=PRESET)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="compute dtype")
     p.add_argument("--num_prompts", type=int, default=8)
     p.add_argument("--group_size", type=int, default=2, help="responses per prompt (GRPO group)")
@@ -89,6 +101,10 @@ def make_prompts(args, vocab_size: int):
 def run(args) -> dict:
     model = build_model(args)
     vocab = model.cfg.vocab_size
+    rules = {side: parse_rules(getattr(args, f"{side}_rules") + args.rules, model.cfg.num_hidden_layers)
+             for side in ("sampler", "learner")}
+    if any(rules.values()) and model.cfg.scan_layers:
+        raise ValueError("--rules: per-layer precision rules need the layers unrolled (model scan_layers=False)")
     prompts, truths, tok, pad_id, stop_ids = make_prompts(args, vocab)
     prompts = [p for p in prompts for _ in range(args.group_size)]
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -96,12 +112,12 @@ def run(args) -> dict:
 
     t0 = time.perf_counter()
     out = probe.sample_responses(model, prompts, cfg, sampler=args.sampler, kv=args.kv, seed=args.seed,
-                                 pad_id=pad_id)
+                                 pad_id=pad_id, rules=rules["sampler"])
     out.tokens.block_until_ready()
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
     learner_logp = probe.recompute_logprobs(model, out, args.learner, temperature=args.temperature,
-                                            vocab_chunk=args.vocab_chunk)
+                                            vocab_chunk=args.vocab_chunk, rules=rules["learner"])
     learner_logp.block_until_ready()
     t_learn = time.perf_counter() - t0
 
@@ -113,7 +129,8 @@ def run(args) -> dict:
     metrics = probe.diagnostics(adv, delta, out.mask)
     return {
         "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
-        "dtype": args.dtype, "responses": len(prompts), "response_tokens": int(out.mask.sum()),
+        "dtype": args.dtype, "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
+        "learner_rules": [f"{r}={p}" for r, p in rules["learner"]], "responses": len(prompts), "response_tokens": int(out.mask.sum()),
         "mean_response_len": float(out.lengths.mean()),
         "accuracy": None if scored is None else float(scored.accuracy.mean()),
         "sample_s": round(t_sample, 3), "learner_s": round(t_learn, 3), **metrics,
@@ -132,7 +149,13 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except ValueError as e:
+        if "precision rule" not in str(e) and "--rules" not in str(e):
+            raise
+        print(f"mismatch: error: {e}", file=sys.stderr)
+        return 2
     print(format_table(result))
     print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}))
     return 0
