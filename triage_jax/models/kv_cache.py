@@ -142,13 +142,16 @@ def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
     if s % BLOCK:
         raise ValueError(f"cached_attention: cache capacity {s} is not a multiple of {BLOCK}")
     g = n // kvh
-    q_bkgth = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).astype(F32)
-    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh.astype(F32)) * scale
+    # The cache is read in its own dtype with float32 accumulation: no per-step float32 copy of the whole cache.
+    q_bkgth = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).astype(k_bksh.dtype)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=F32) * scale
     visible_bts = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= q_slot_bt[:, :, None]
     scores = jnp.where(visible_bts[:, None, None], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - m).reshape(b, kvh, g, t, s // BLOCK, BLOCK)
-    pv = jnp.einsum("bkgtnc,bkncd->bkgtnd", p, v_bksh.astype(F32).reshape(b, kvh, s // BLOCK, BLOCK, h))
+    # Probabilities in the cache's dtype for the value product (float32 caches: exact), float32 accumulation.
+    pv = jnp.einsum("bkgtnc,bkncd->bkgtnd", p.astype(v_bksh.dtype), v_bksh.reshape(b, kvh, s // BLOCK, BLOCK, h),
+                    preferred_element_type=F32)
     num = jnp.sum(pv, axis=4)  # over blocks (a non-minor axis: one sequential sum per output)
     den = jnp.sum(jnp.sum(p, axis=-1)[..., None], axis=4)
     out_bkgth = num / den
