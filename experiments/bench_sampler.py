@@ -3,9 +3,10 @@ and against the matmul-only ceiling, side by side in one run.
 
     python experiments/bench_sampler.py [--repeats=3] [--skew_slots=64] [--quick]
 
-Four measurements (times are the best of --repeats after a warm-up call that compiles; the load average is read
-and printed before each section, and any section above 0.5 per core flags the table and the JSON line,
-experiments/loadavg.py):
+Four measurements. Times are the best of --repeats after a warm-up call that compiles; the calls a ratio compares
+run interleaved (A, B, A, B, ...), so a change of the machine's load hits both sides alike. The load average is read
+and printed before each section, and any section above 0.5 per core flags the table and the JSON line
+(experiments/loadavg.py).
 
 1. **vs HF `generate`** - the tiny Qwen3 (random init, seed 0, float32, no quantization) is exported with
    `models.save_pretrained` and loaded with transformers' `Qwen3ForCausalLM` (identical weights). Prompt 32 random
@@ -59,17 +60,29 @@ TARGETS = {"hf_speedup": 2.0, "skewed_ratio": 3.0, "cost_64_over_1024": 0.5, "ce
 def timed(fn, repeats):
     """(best seconds of `repeats` calls after a warm-up call, the last result); repeats=0 times the warm-up call
     itself (compilation included)."""
-    t0 = time.perf_counter()
-    out = fn()
-    times = [] if repeats else [time.perf_counter() - t0]
-    for _ in range(repeats):
+    (t,), (out,) = interleaved([fn], repeats)
+    return t, out
+
+
+def interleaved(fns, repeats):
+    """Warm every fn up (compiles), then call them in turn `repeats` times: ([best seconds], [last results]).
+    Alternating the sides spreads any change of the machine's load over all of them alike."""
+    times, outs = [[] for _ in fns], []
+    for k, fn in enumerate(fns):
         t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), out
+        outs.append(fn())
+        if not repeats:
+            times[k].append(time.perf_counter() - t0)
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            times[k].append(time.perf_counter() - t0)
+    return [min(t) for t in times], outs
 
 
-def engine_run(model, prompts, cfg: SamplingConfig, config: EngineConfig, repeats, key=0):
+def engine_call(model, prompts, cfg: SamplingConfig, config: EngineConfig, key=0):
+    """A zero-argument call of one Engine's generate (blocks until the tokens are ready), and the engine."""
     engine = Engine(cfg, config, pad_id=0, model=model)
 
     def run():
@@ -77,13 +90,12 @@ def engine_run(model, prompts, cfg: SamplingConfig, config: EngineConfig, repeat
         jax.block_until_ready(out.tokens)
         return out
 
-    t, out = timed(run, repeats)
-    return t, out, engine
+    return run, engine
 
 
 # ------------------------------------------------------------------------------------------ 1. vs HF
 
-def hf_time(hf_model, prompts, new_tokens, repeats, greedy=False):
+def hf_call(hf_model, prompts, new_tokens, greedy=False):
     import torch
 
     ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding
@@ -97,24 +109,29 @@ def hf_time(hf_model, prompts, new_tokens, repeats, greedy=False):
         assert out.shape[1] == ids.shape[1] + new_tokens
         return out[:, ids.shape[1]:].numpy()
 
-    torch.manual_seed(0)
-    return timed(run, repeats)
+    return run
 
 
 def bench_vs_hf(model, hf_model, batches, prompt_len, new_tokens, repeats, rng, vocab):
+    """Per batch, interleaved: engine and HF with new_tokens and with 1 new token."""
+    import torch
+
+    torch.manual_seed(0)
     rows = []
     for b in batches:
         prompts = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(b)]
         cap = 1 << (prompt_len + new_tokens - 1).bit_length()
         config = EngineConfig(max_slots=b, max_len=cap)
-        t_full, out, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=new_tokens), config, repeats)
-        assert int(np.asarray(out.lengths).min()) == new_tokens
-        t_one, _, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=1), config, repeats)
+        fns = [engine_call(model, prompts, SamplingConfig(max_new_tokens=n), config)[0] for n in (new_tokens, 1)]
+        if hf_model is not None:
+            fns += [hf_call(hf_model, prompts, n) for n in (new_tokens, 1)]
+        times, outs = interleaved(fns, repeats)
+        assert int(np.asarray(outs[0].lengths).min()) == new_tokens
+        t_full, t_one = times[:2]
         row = {"batch": b, "engine_tok_s": b * new_tokens / t_full,
                "engine_decode_tok_s": b * (new_tokens - 1) / max(t_full - t_one, 1e-9)}
         if hf_model is not None:
-            t_hf, _ = hf_time(hf_model, prompts, new_tokens, repeats)
-            t_hf1, _ = hf_time(hf_model, prompts, 1, repeats)
+            t_hf, t_hf1 = times[2:]
             row.update(hf_tok_s=b * new_tokens / t_hf, hf_decode_tok_s=b * (new_tokens - 1) / max(t_hf - t_hf1, 1e-9))
             row["speedup"] = t_hf / t_full
             row["decode_speedup"] = row["engine_decode_tok_s"] / row["hf_decode_tok_s"]
@@ -125,9 +142,9 @@ def bench_vs_hf(model, hf_model, batches, prompt_len, new_tokens, repeats, rng, 
 def greedy_rows_match(model, hf_model, prompt_len, new_tokens, rng, vocab, b=8):
     prompts = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(b)]
     cap = 1 << (prompt_len + new_tokens - 1).bit_length()
-    _, out, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=new_tokens, greedy=True),
-                           EngineConfig(max_slots=b, max_len=cap), 0)
-    _, ref = hf_time(hf_model, prompts, new_tokens, 0, greedy=True)
+    out = engine_call(model, prompts, SamplingConfig(max_new_tokens=new_tokens, greedy=True),
+                      EngineConfig(max_slots=b, max_len=cap))[0]()
+    ref = hf_call(hf_model, prompts, new_tokens, greedy=True)()
     ours = np.asarray(out.tokens)
     return int(sum(np.array_equal(ours[i], ref[i]) for i in range(b))), b
 
@@ -176,19 +193,18 @@ def bench_skewed(n, max_new, prompt_len, slots_list, repeats, rng):
     max_len = prompt_len + max_new
     useful = int(lengths.sum())
 
-    def run(config):
-        t, out, engine = engine_run(m, prompts, cfg, config, repeats)
+    configs = [EngineConfig(max_slots=n, max_len=max_len, continuous=False)]
+    configs += [EngineConfig(max_slots=s, max_len=max_len) for s in slots_list]
+    calls = [engine_call(m, prompts, cfg, c) for c in configs]
+    times, outs = interleaved([c[0] for c in calls], repeats)
+    for out in outs:
         got = np.asarray(out.lengths)
         if not np.array_equal(got, lengths):
             bad = np.flatnonzero(got != lengths)[:5]
             raise AssertionError(f"countdown model: lengths {got[bad].tolist()} != drawn {lengths[bad].tolist()}")
-        return t, engine.rounds
-
-    t_static, rounds_static = run(EngineConfig(max_slots=n, max_len=max_len, continuous=False))
-    engines = []
-    for s in slots_list:
-        t, rounds = run(EngineConfig(max_slots=s, max_len=max_len))
-        engines.append({"slots": s, "seconds": t, "rounds": rounds, "tok_s": useful / t})
+    t_static, rounds_static = times[0], calls[0][1].rounds
+    engines = [{"slots": s, "seconds": t, "rounds": c[1].rounds, "tok_s": useful / t}
+               for s, t, c in zip(slots_list, times[1:], calls[1:])]
     best = engines[0]
     return {"requests": n, "useful_tokens": useful, "mean_len": float(lengths.mean()),
             "median_len": float(np.median(lengths)), "max_len": int(lengths.max()),
@@ -202,15 +218,16 @@ def bench_skewed(n, max_new, prompt_len, slots_list, repeats, rng):
 # ------------------------------------------------------------------------------------------ 3. by position
 
 def bench_positions(model, repeats, rng, vocab, steps=64, budget=2048, b=8):
-    out = {}
+    out, calls = {}, []
+    config = EngineConfig(max_slots=b, max_len=budget)
     for pos in (64, 1024):
         prompts = [rng.integers(2, vocab, pos).tolist() for _ in range(b)]
-        config = EngineConfig(max_slots=b, max_len=budget)
-        t_full, o, eng = engine_run(model, prompts, SamplingConfig(max_new_tokens=steps + 1), config, repeats)
-        assert int(np.asarray(o.lengths).min()) == steps + 1
-        t_one, _, _ = engine_run(model, prompts, SamplingConfig(max_new_tokens=1), config, repeats)
-        out[f"ms_per_token_at_{pos}"] = 1e3 * max(t_full - t_one, 0.0) / steps
-        out[f"capacity_at_{pos}"] = sorted(set(eng.capacities))
+        calls += [engine_call(model, prompts, SamplingConfig(max_new_tokens=n), config) for n in (steps + 1, 1)]
+    times, outs = interleaved([c[0] for c in calls], repeats)
+    for k, pos in enumerate((64, 1024)):
+        assert int(np.asarray(outs[2 * k].lengths).min()) == steps + 1
+        out[f"ms_per_token_at_{pos}"] = 1e3 * max(times[2 * k] - times[2 * k + 1], 0.0) / steps
+        out[f"capacity_at_{pos}"] = sorted(set(calls[2 * k][1].capacities))
     return out
 
 

@@ -13,8 +13,10 @@ never passes its config's rope_theta to `apply_rope` (whose default, 1e6, is wha
 tiny config's 1e4 it would run a different model (its greedy tokens then differ from HF's and ours).
 
 Timed per side and batch (best of --repeats after a warm-up that compiles): end to end (prefill + 128 tokens)
-and the same call with 1 new token (prefill + first draw); decode tokens/s = batch x 127 / (difference). The two
-sides run one after the other in one invocation and the load average is read before each. The greedy tokens of
+and the same call with 1 new token (prefill + first draw); decode tokens/s = batch x 127 / (difference). Tunix runs
+in a persistent worker process that this script drives one call at a time, so the two sides' calls interleave
+(engine, Tunix, engine, Tunix, ...) and a change of the machine's load hits both alike; the load average is read
+at the start and at the end. The greedy tokens of
 both sides are compared row by row. Prints the load first, a table and one JSON line (`"bench": "tunix"`).
 
 The worker half (`--worker`) imports only the standard library, numpy, jax and tunix, so it runs in the Tunix venv.
@@ -56,6 +58,8 @@ class IdTokenizer:
 
 
 def tunix_worker(args):
+    proto = os.fdopen(os.dup(1), "w")  # the replies; anything else printed to stdout goes to stderr
+    os.dup2(2, 1)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -78,60 +82,72 @@ def tunix_worker(args):
     cache = sampler_lib.CacheConfig(cache_size=job["cache_size"], num_layers=cfg.num_layers,
                                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     sampler = sampler_lib.Sampler(model, IdTokenizer(), cache)
-    result = {"jax": jax.__version__, "backend": jax.devices()[0].platform, "rows": []}
     try:
         from importlib.metadata import version
 
-        result["tunix"] = version("google-tunix")
+        tunix_version = version("google-tunix")
     except Exception:  # noqa: BLE001
-        result["tunix"] = "?"
-    for prompts in job["batches"]:
-        texts = [" ".join(str(t) for t in p) for p in prompts]
+        tunix_version = "?"
+    texts = [[" ".join(str(t) for t in p) for p in prompts] for prompts in job["batches"]]
+    reply = {"jax": jax.__version__, "backend": jax.devices()[0].platform, "tunix": tunix_version}
+    print(json.dumps(reply), file=proto, flush=True)
+    # One request per stdin line, {"batch": index, "n": new tokens}: run once, reply {"t": seconds, "tokens": ...}.
+    for line in sys.stdin:
+        req = json.loads(line)
+        t0 = time.perf_counter()
+        out = sampler(texts[req["batch"]], max_generation_steps=req["n"], max_prompt_length=job["prompt_len"],
+                      temperature=0.0, eos_tokens=[-1], seed=0)
+        toks = [np.asarray(t).tolist() for t in out.tokens]
+        print(json.dumps({"t": time.perf_counter() - t0, "tokens": toks}), file=proto, flush=True)
 
-        def run(n):
-            out = sampler(texts, max_generation_steps=n, max_prompt_length=job["prompt_len"], temperature=0.0,
-                          eos_tokens=[-1], seed=0)
-            return [np.asarray(t).tolist() for t in out.tokens]
 
-        def best(n):
-            toks = run(n)  # warm-up: compiles
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                toks = run(n)
-                times.append(time.perf_counter() - t0)
-            return min(times), toks
+class TunixWorker:
+    """The Tunix venv's python running this file with --worker: it loads the checkpoint once, then times one
+    sampler call per request."""
 
-        t_full, toks = best(job["new_tokens"])
-        t_one, _ = best(1)
-        result["rows"].append({"batch": len(prompts), "t_full": t_full, "t_one": t_one, "tokens": toks})
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    def __init__(self, py, ckpt, job_path, log_path):
+        self.log_path = log_path
+        with open(log_path, "w") as log:  # a file, not a pipe: a chatty worker can never block on it
+            self.proc = subprocess.Popen([py, os.path.abspath(__file__), "--worker", f"--ckpt={ckpt}",
+                                          f"--prompts={job_path}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True)
+        self.info = self._read()
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            with open(self.log_path) as f:
+                err = f.read()
+            raise SystemExit(f"the Tunix worker failed (exit {self.proc.wait()}):\n{err[-6000:]}")
+        return json.loads(line)
+
+    def call(self, batch_index, n):
+        self.proc.stdin.write(json.dumps({"batch": batch_index, "n": n}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 # ------------------------------------------------------------------------------------------ engine side (this env)
 
-def engine_times(model, prompts, new_tokens, cache_size, repeats):
+def engine_call(model, prompts, n, cache_size):
     import jax
 
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
 
-    def best(n):
-        eng = Engine(SamplingConfig(max_new_tokens=n, greedy=True),
-                     EngineConfig(max_slots=len(prompts), max_len=cache_size), pad_id=0, model=model)
-        out = eng.generate(prompts, jax.random.key(0))  # warm-up: compiles
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = eng.generate(prompts, jax.random.key(0))
-            jax.block_until_ready(out.tokens)
-            times.append(time.perf_counter() - t0)
-        return min(times), out
+    eng = Engine(SamplingConfig(max_new_tokens=n, greedy=True), EngineConfig(max_slots=len(prompts), max_len=cache_size),
+                 pad_id=0, model=model)
 
-    t_full, out = best(new_tokens)
-    assert int(out.lengths.min()) == new_tokens
-    t_one, _ = best(1)
-    return t_full, t_one, [list(map(int, row)) for row in out.tokens.tolist()]
+    def run():
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, jax.random.key(0))
+        jax.block_until_ready(out.tokens)
+        return time.perf_counter() - t0, [list(map(int, row)) for row in out.tokens.tolist()]
+
+    return run
 
 
 def main(argv=None):
@@ -144,7 +160,6 @@ def main(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return tunix_worker(args)
@@ -171,37 +186,45 @@ def main(argv=None):
     cache_size = 1 << (args.prompt_len + args.new_tokens - 1).bit_length()
     prompt_sets = [[rng.integers(2, cfg_model.vocab_size, args.prompt_len).tolist() for _ in range(b)]
                    for b in batches]
-    eng = [engine_times(model, p, args.new_tokens, cache_size, args.repeats) for p in prompt_sets]
-    load_tunix = machine_load()
-    print(f"before Tunix: {load_tunix.line()}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         models.save_pretrained(model, os.path.join(d, "ckpt"))
         with open(os.path.join(d, "job.json"), "w") as f:
-            json.dump({"batches": prompt_sets, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                       "cache_size": cache_size}, f)
-        proc = subprocess.run([py, os.path.abspath(__file__), "--worker", f"--ckpt={d}/ckpt",
-                               f"--prompts={d}/job.json", f"--out={d}/out.json", f"--repeats={args.repeats}"],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            sys.stderr.write(proc.stderr[-6000:])
-            raise SystemExit(f"the Tunix worker failed (exit {proc.returncode}); its stderr is above")
-        with open(os.path.join(d, "out.json")) as f:
-            tunix = json.load(f)
+            json.dump({"batches": prompt_sets, "prompt_len": args.prompt_len, "cache_size": cache_size}, f)
+        worker = TunixWorker(py, os.path.join(d, "ckpt"), os.path.join(d, "job.json"), os.path.join(d, "worker.log"))
+        tunix = worker.info
+        # Per batch: engine and Tunix, new_tokens and 1 new token; a warm-up call each (compiles), then the four
+        # calls in turn, --repeats times.
+        meas = []
+        for k, prompts in enumerate(prompt_sets):
+            fns = [engine_call(model, prompts, n, cache_size) for n in (args.new_tokens, 1)]
+            fns += [lambda n=n, k=k: (lambda r: (r["t"], r["tokens"]))(worker.call(k, n)) for n in (args.new_tokens, 1)]
+            outs = [fn() for fn in fns]
+            times = [[] for _ in fns]
+            for _ in range(args.repeats):
+                for j, fn in enumerate(fns):
+                    t, toks = fn()
+                    times[j].append(t)
+                    outs[j] = (t, toks)
+            meas.append(([min(t) for t in times], outs[0][1], outs[2][1]))
+        worker.close()
+    load_end = machine_load()
+    print(f"after: {load_end.line()}", flush=True)
 
     rows = []
-    for b, (t_full, t_one, toks), tr in zip(batches, eng, tunix["rows"]):
+    for b, (times, toks, ttoks) in zip(batches, meas):
+        t_full, t_one, tt_full, tt_one = times
         dec = b * (args.new_tokens - 1)
-        same = toks == [r[:args.new_tokens] for r in tr["tokens"]]
         row = {"batch": b, "engine_tok_s": b * args.new_tokens / t_full,
                "engine_decode_tok_s": dec / max(t_full - t_one, 1e-9),
-               "tunix_tok_s": b * args.new_tokens / tr["t_full"],
-               "tunix_decode_tok_s": dec / max(tr["t_full"] - tr["t_one"], 1e-9),
-               "tunix_tokens_per_row": sorted({len(r) for r in tr["tokens"]}), "greedy_identical": same}
+               "tunix_tok_s": b * args.new_tokens / tt_full,
+               "tunix_decode_tok_s": dec / max(tt_full - tt_one, 1e-9),
+               "greedy_identical": toks == [r[:args.new_tokens] for r in ttoks]
+               and all(len(r) == args.new_tokens for r in ttoks)}
         row["speedup"] = row["engine_tok_s"] / row["tunix_tok_s"]
         row["decode_speedup"] = row["engine_decode_tok_s"] / row["tunix_decode_tok_s"]
         rows.append(row)
     print(f"tiny Qwen3 float32, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, cache {cache_size}; "
-          f"Tunix {tunix['tunix']} (jax {tunix['jax']}, {tunix['backend']}){load.tag() or load_tunix.tag()}")
+          f"Tunix {tunix['tunix']} (jax {tunix['jax']}, {tunix['backend']}){load.tag() or load_end.tag()}")
     print(f"{'batch':>5} {'engine tok/s':>12} {'tunix tok/s':>11} {'e2e x':>6} {'engine dec tok/s':>16} "
           f"{'tunix dec tok/s':>15} {'decode x':>8} {'same tokens':>11}")
     for r in rows:
@@ -211,10 +234,10 @@ def main(argv=None):
     target = all(r["decode_speedup"] >= 1.5 for r in rows)
     print(f"target >= 1.5x Tunix decode tok/s at every batch: {'met' if target else 'NOT met'}")
     fields = load.fields()
-    fields["loadavg_before_tunix"] = load_tunix.fields()["loadavg"]
-    fields["measured_under_load"] = load.under_load or load_tunix.under_load
+    fields["loadavg_end"] = load_end.fields()["loadavg"]
+    fields["measured_under_load"] = load.under_load or load_end.under_load
     print(json.dumps({"bench": "tunix", "tunix_version": tunix["tunix"],
-                      "rows": [{k: v for k, v in r.items() if k != "tunix_tokens_per_row"} for r in rows],
+                      "rows": rows,
                       "target_1_5x_met": target, **fields}))
 
 
