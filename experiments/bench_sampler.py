@@ -27,7 +27,7 @@ and printed before each section, and any section above 0.5 per core flags the ta
    1024 tokens: ms per decode step = (t(1 + 64 tokens) - t(1 token)) / 64.
 4. **matmul-only ceiling** - batch 32: the model's per-token matmuls alone (q, k, v, o, gate, up, down of every
    layer and the LM head, with one RMS normalization per step to keep values bounded), 128 steps in one jitted
-   fori_loop, vs the engine's decode tokens/s at batch 32 from (1).
+   fori_loop, interleaved with the engine's decode tokens/s at batch 32 (measured as in 1, on other prompts).
 
 Prints the load first, a table and one JSON line (`"bench": "sampler"`).
 """
@@ -233,8 +233,9 @@ def bench_positions(model, repeats, rng, vocab, steps=64, budget=2048, b=8):
 
 # ------------------------------------------------------------------------------------------ 4. matmul ceiling
 
-def matmul_ceiling(cfg, batch, steps, repeats):
-    """Tokens/s and GFLOP/s of the per-token matmuls alone (float32), `steps` tokens in one jitted loop."""
+def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32):
+    """Tokens/s and GFLOP/s of the per-token matmuls alone (float32), `steps` tokens in one jitted loop; with a
+    model, also the engine's decode tokens/s at this batch (steps and 1 new token), interleaved with the loop."""
     d, i_, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, kvh, hd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
     del hd
@@ -260,8 +261,14 @@ def matmul_ceiling(cfg, batch, steps, repeats):
         return jax.lax.fori_loop(0, steps, step, x)
 
     x = jax.random.normal(key, (batch, d), jnp.float32)
-    t, _ = timed(lambda: jax.block_until_ready(loop(x, layers, head)), repeats)
-    return batch * steps / t, flops * steps / t / 1e9
+    fns = [lambda: jax.block_until_ready(loop(x, layers, head))]
+    if model is not None:
+        prompts = [np.random.default_rng(1).integers(2, v, prompt_len).tolist() for _ in range(batch)]
+        config = EngineConfig(max_slots=batch, max_len=1 << (prompt_len + steps - 1).bit_length())
+        fns += [engine_call(model, prompts, SamplingConfig(max_new_tokens=n), config)[0] for n in (steps, 1)]
+    times, _ = interleaved(fns, repeats)
+    engine = batch * (steps - 1) / max(times[1] - times[2], 1e-9) if model is not None else None
+    return batch * steps / times[0], flops * steps / times[0] / 1e9, engine
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -322,8 +329,7 @@ def main(argv=None):
 
     section("ceiling")
     cb = 32 if 32 in batches else max(batches)
-    ceil_tok_s, gflops = matmul_ceiling(cfg_model, cb, args.new_tokens, args.repeats)
-    eng_dec = next(r for r in rows if r["batch"] == cb)["engine_decode_tok_s"]
+    ceil_tok_s, gflops, eng_dec = matmul_ceiling(cfg_model, cb, args.new_tokens, args.repeats, model, args.prompt_len)
     ceiling = {"batch": cb, "matmul_tok_s": ceil_tok_s, "matmul_gflop_s": gflops, "engine_decode_tok_s": eng_dec,
                "fraction": eng_dec / ceil_tok_s}
 
