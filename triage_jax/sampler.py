@@ -8,8 +8,9 @@ capacity follows the longest sequence held (a power of two, >= 64), so attention
 what could be allocated.
 
 Deterministic: every draw is keyed by (request id, token index), never by a slot, and every per-token computation
-has a fixed shape (slots, capacity blocks, prefill batch), so the tokens and log-probs of a request do not depend
-on the slot it lands in, the other requests, continuous or static batching, or the capacity bucket.
+has a fixed per-device shape (slots, prefill batch), so a request's tokens and log-probs do not depend on the slot
+it lands in, the other requests, or continuous vs static batching, at the same capacity bucket; across capacity
+buckets XLA's reduction order can move a log-prob's last bit.
 
 Log-probs: for every drawn token the sampler reports log_softmax(logits / T) over the FULL vocabulary at the
 sampling temperature T, before top-k / top-p truncation (what verl and vLLM report as rollout log-probs with a
