@@ -218,13 +218,15 @@ def test_qragged_mxfp4_is_per_expert_qdot():
     assert np.all(y[start:] == 0)
 
 
-def test_composed_backend_gets_exact_values():
-    # A backend without MXFP4 kernels (composed quantize + matmul) is handed the exact bf16 values.
-    prec = PRESETS["w4a4_mx"]
+@pytest.mark.parametrize("name", ["w4a4_mx", "w4a8_mx"])
+def test_composed_backend_gets_exact_values(name):
+    # A backend without MXFP4 kernels (composed quantize + matmul: pallas) is handed the exact bf16 values.
+    prec = PRESETS[name]
     x = jax.random.normal(jax.random.key(4), (8, 64))
     w = jax.random.normal(jax.random.key(5), (64, 16))
-    y = be.composed_dot(be.get_backend("xla"), x, w, prec)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(be.reference_dot(x, w, prec)))
+    ref = np.asarray(be.reference_dot(x, w, prec))
+    np.testing.assert_array_equal(np.asarray(be.composed_dot(be.get_backend("xla"), x, w, prec)), ref)
+    np.testing.assert_array_equal(np.asarray(quant.qdot(x, w, prec, backend="pallas")), np.asarray(quant.qdot(x, w, prec)))
 
 
 def test_presets_and_policy():
