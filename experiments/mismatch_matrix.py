@@ -2,6 +2,7 @@
 
     python experiments/mismatch_matrix.py [--models tiny,tiny_moe] [--dtypes bfloat16,float32]
         [--num_prompts 64] [--group_size 4] [--out experiments/results] [--figure experiments/figures/...png]
+        [--settings "MXFP4 / MXFP4,W4A4 (MXFP4 act.)"]
 
 For each warmed-up tiny model (configs/tiny.py, configs/tiny_moe.py; the cached supervised warm-up) and compute
 dtype, held-out synthetic prompts are sampled once per sampler setting; the learner recomputes the log-probs of
@@ -67,7 +68,13 @@ SETTINGS = (
     Setting("W4A4 (NVFP4 act.)", "bf16", "w4a4"),
     Setting("KV FP8 (W4A4 sampler)", "bf16", "w4a4", "fp8"),
     Setting("KV BF16 (W4A4 sampler)", "bf16", "w4a4", "bf16"),
+    # MXFP4 (OCP MX: E2M1, one power-of-two E8M0 scale per 32 elements, no tensor scale; numerics.md "MXFP4"),
+    # the gpt-oss format: not in the paper, a coarser 4-bit dial than NVFP4 next to its rows.
+    Setting("MXFP4 / MXFP4", "w4a4_mx", "w4a4_mx"),
+    Setting("W4A16 (MXFP4 weights)", "bf16", "w4a16_mx"),
+    Setting("W4A4 (MXFP4 act.)", "bf16", "w4a4_mx"),
 )
+LABELS = tuple(s.label for s in SETTINGS)
 
 # The paper's qualitative claims, as strict orderings between rows: (name, chain of labels, models). A chain
 # [a, b, c] claims value(a) < value(b) < value(c). Whether each holds is computed on the paper's numbers and on
@@ -188,6 +195,7 @@ def run(args) -> dict:
     """Measure every setting for every model and dtype; returns {"results": {dtype: {model: {label: metrics}}}}."""
     results: dict[str, dict[str, dict]] = {}
     timings = {}
+    settings = [s for s in SETTINGS if s.label in args.settings]
     for model_name in args.models:
         c = common.absolute_paths(common.set_values(common.load_config(model_name), args.overrides))
         prompts = truths = None
@@ -196,13 +204,13 @@ def run(args) -> dict:
             model, tok, mc, _ = common.warm_model(c, dtype=dtype)
             if prompts is None:
                 prompts, truths = common.held_out_prompts(c, tok, args.num_prompts)
-            res = measure_model(model, tok, prompts, truths, SETTINGS, group_size=args.group_size,
+            res = measure_model(model, tok, prompts, truths, settings, group_size=args.group_size,
                                 max_new_tokens=c.sampler.max_new_tokens, temperature=c.sampler.temperature,
                                 seed=args.seed, max_cache_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens)
             results.setdefault(dtype, {})[model_name] = res
             timings[f"{model_name}/{dtype}"] = time.perf_counter() - t0
             print(f"[mismatch_matrix] {model_name} {dtype}: {timings[f'{model_name}/{dtype}']:.0f}s", flush=True)
-    return {"results": results, "timings_s": timings, "settings": [dataclasses.asdict(s) for s in SETTINGS],
+    return {"results": results, "timings_s": timings, "settings": [dataclasses.asdict(s) for s in settings],
             "args": vars(args)}
 
 
@@ -224,7 +232,7 @@ def table(report: dict) -> str:
         header.append(f"paper {'MoE' if 'moe' in m else 'dense'}")
         header += [f"{m} {d}" for d in dtypes]
     rows = []
-    for s in SETTINGS:
+    for s in _measured(report):
         row = [s.label]
         for m in models:
             row.append(PAPER.get(s.label, {}).get(m))
@@ -253,6 +261,12 @@ def orderings_table(report: dict) -> str:
     return common.markdown_table(["paper's ordering", "model", "dtype", "in the paper", "here", "min z"], out)
 
 
+def _measured(report: dict) -> list[Setting]:
+    """The SETTINGS rows the report holds (all of them unless --settings picked some), in table order."""
+    per_model = next(iter(next(iter(report["results"].values())).values()))
+    return [s for s in SETTINGS if s.label in per_model]
+
+
 def bar_chart(report: dict, path: str) -> str:
     """Grouped bars of mean |delta| per setting: the paper's value and ours for each model (log scale)."""
     import numpy as np
@@ -261,7 +275,7 @@ def bar_chart(report: dict, path: str) -> str:
     res = report["results"]
     models = list(next(iter(res.values())))
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
-    labels = [s.label for s in SETTINGS]
+    labels = [s.label for s in _measured(report)]
     x = np.arange(len(labels))
     for ax, m in zip(axes[0], models):
         series = [("paper", [PAPER.get(lb, {}).get(m, np.nan) for lb in labels], None)]
@@ -295,6 +309,8 @@ def parse_args(argv=None):
                    help="folder for mismatch_matrix.json / .md")
     p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
                    help="JAX persistent compilation cache folder ('' to disable)")
+    p.add_argument("--settings", default="", help="comma-separated row labels to measure (default: every row of "
+                                                    "SETTINGS), e.g. 'BF16 / BF16,MXFP4 / MXFP4'")
     p.add_argument("--replot", action="store_true", help="re-render the table and figure from --out's JSON")
     p.add_argument("--figure", default=os.path.join(common.FIGURES, "mismatch_matrix.png"))
     args = p.parse_args(argv)
@@ -309,6 +325,11 @@ def parse_args(argv=None):
     if not args.models:
         p.error("--models is empty")
     args.overrides = common.parse_overrides(p, args.overrides)
+    wanted = [lb.strip() for lb in args.settings.split(",") if lb.strip()]
+    unknown = [lb for lb in wanted if lb not in LABELS]
+    if unknown:
+        p.error(f"--settings: unknown row(s) {unknown}; the rows are {list(LABELS)}")
+    args.settings = [s.label for s in SETTINGS if not wanted or s.label in wanted]  # labels: args go to the JSON
     return args
 
 
