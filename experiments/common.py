@@ -2,7 +2,7 @@
 
 Nothing here trains; the studies (mismatch_matrix.py, stability.py) and the notebooks import these so that
 they read configs, warm-up caches and TensorBoard logs the same way. Everything they build comes from the library
-(`triage_jax.build`, `triage_jax.probe`, `triage_jax.evaluation`, `triage_jax.rl`), never from `triage_jax.tools`.
+(`triage_jax.build`, `triage_jax.probe`, `triage_jax.evaluation`, `triage_jax.rl`), never from the CLIs in tools/.
 """
 
 from __future__ import annotations
