@@ -170,8 +170,26 @@ def _bcast_factor(g: jax.Array, ndim: int) -> jax.Array:
     return g.reshape(g.shape + (1,) * (ndim - g.ndim))
 
 
+class PackedFP4:
+    """Accessors of a tensor stored as packed E2M1 pairs (`packed` [..., K/2] uint8): shape, codes, elements."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.packed.shape[:-1] + (self.packed.shape[-1] * 2,)
+
+    @property
+    def codes(self) -> jax.Array:
+        """uint8 E2M1 codes [..., K] (bits 0-3)."""
+        return unpack_codes(self.packed)
+
+    @property
+    def data(self) -> jax.Array:
+        """float4_e2m1fn elements [..., K]."""
+        return codes_to_fp4(self.codes)
+
+
 @struct.dataclass
-class NVFP4Tensor:
+class NVFP4Tensor(PackedFP4):
     """NVFP4 tensor: packed E2M1 codes (uint8 [..., K/2]), E4M3 `scale` [..., K/16], float32 global `amax`.
 
     `.data` gives the float4_e2m1fn elements in x's shape. `amax` is a scalar ("tensor", "tile2d"), [..., 1]
@@ -186,20 +204,6 @@ class NVFP4Tensor:
     @classmethod
     def from_data(cls, data: jax.Array, scale: jax.Array, amax: jax.Array, scaling: str = "tensor") -> "NVFP4Tensor":
         return cls(packed=pack_fp4(data), scale=scale, amax=amax, scaling=scaling)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.packed.shape[:-1] + (self.packed.shape[-1] * 2,)
-
-    @property
-    def codes(self) -> jax.Array:
-        """uint8 E2M1 codes [..., K]."""
-        return unpack_codes(self.packed)
-
-    @property
-    def data(self) -> jax.Array:
-        """float4_e2m1fn elements [..., K]."""
-        return codes_to_fp4(self.codes)
 
     def global_decode_scale(self) -> jax.Array:
         """amax / 2688 (1 where amax == 0): the float32 factor the GEMM paths apply to their output.
@@ -336,7 +340,7 @@ def mxfp4_encode_blocks(xb: jax.Array, rounding: str = "floor") -> tuple[jax.Arr
 
 
 @struct.dataclass
-class MXFP4Tensor:
+class MXFP4Tensor(PackedFP4):
     """MXFP4 tensor (OCP MX v1.0): packed E2M1 codes (uint8 [..., K/2], packed like NVFP4Tensor) and E8M0 `scale`
     [..., K/32] (float8_e8m0fnu; bitcast to uint8 for the biased exponents). No tensor-level factor: the value of
     element j of block b is e2m1(q_j) * 2^(scale_b - 127). `rounding` records the shared-exponent rule used."""
@@ -348,20 +352,6 @@ class MXFP4Tensor:
     @classmethod
     def from_data(cls, data: jax.Array, scale: jax.Array, rounding: str = "floor") -> "MXFP4Tensor":
         return cls(packed=pack_fp4(data), scale=scale, rounding=rounding)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.packed.shape[:-1] + (self.packed.shape[-1] * 2,)
-
-    @property
-    def codes(self) -> jax.Array:
-        """uint8 E2M1 codes [..., K] (bits 0-3)."""
-        return unpack_codes(self.packed)
-
-    @property
-    def data(self) -> jax.Array:
-        """float4_e2m1fn elements [..., K]."""
-        return codes_to_fp4(self.codes)
 
     @property
     def exponents(self) -> jax.Array:
