@@ -8,7 +8,6 @@ they read configs, warm-up caches and TensorBoard logs the same way. Everything 
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +17,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from triage_jax import config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIGURES = os.path.join(ROOT, "experiments", "figures")
 
@@ -25,14 +26,8 @@ FIGURES = os.path.join(ROOT, "experiments", "figures")
 # ------------------------------------------------------------------------------------------------ configs
 
 def load_config(name_or_path: str):
-    """A config from configs/<name>.py (or a path to a config file): its `get_config()`."""
-    path = name_or_path if name_or_path.endswith(".py") else os.path.join(ROOT, "configs", f"{name_or_path}.py")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config {name_or_path!r}: no file {path}")
-    spec = importlib.util.spec_from_file_location(f"_config_{os.path.basename(path)[:-3]}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    """A config from configs/<name>.py (or a path to a config file): `triage_jax.config.load_config`."""
+    return config.load_config(name_or_path)
 
 
 def set_values(c, overrides: Mapping[str, Any]):

@@ -17,7 +17,7 @@ def _run(capsys, *flags):
 
 def test_w4a4_sampler_against_bf16_learner(capsys):
     r = _run(capsys, "--learner=bf16", "--sampler=w4a4", "--kv=fp8", "--prompts=random", "--prompt_len=5")
-    assert r["responses"] == 4 and r["response_tokens"] == 32 and r["accuracy"] is None
+    assert r["num_responses"] == 4 and r["response_tokens"] == 32 and r["accuracy"] is None
     assert r["mean_abs_delta"] > 1e-3
     for key in ("frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token", "tail_freq"):
         assert key in r and r[key] is not None
@@ -27,7 +27,7 @@ def test_w4a4_sampler_against_bf16_learner(capsys):
 def test_identical_precision_in_float32_has_no_mismatch(capsys):
     # Synthetic math prompts with the character tokenizer; responses are scored (a random model scores 0).
     r = _run(capsys, "--learner=bf16", "--sampler=bf16", "--dtype=float32", "--prompts=synthetic")
-    assert r["responses"] == 4 and 4 <= r["response_tokens"] <= 32 and r["accuracy"] == 0.0
+    assert r["num_responses"] == 4 and 4 <= r["response_tokens"] <= 32 and r["accuracy"] == 0.0
     assert r["mean_abs_delta"] < 1e-5
 
 

@@ -303,3 +303,15 @@ def test_cli_errors_are_one_line(tmp_path, case):
     out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and want in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_exact_mode_run_has_zero_mismatch(tmp_path):
+    """learner.exact with W4A4 on both sides: every rollout has delta = 0 on every token (the learner's recompute
+    before the step's updates equals the sampler's log-probs, also after a weight sync), and the run still learns."""
+    c = small_config(tmp_path, **{"learner.exact": True, "learner.precision": "w4a4", "train.steps": 2,
+                                  "train.ckpt_every": 2})
+    hist = Trainer(c).run()
+    for m in hist:
+        assert m["mismatch/mean_abs_delta"] == 0.0
+        assert m["mismatch/delta_q05"] == 0.0 and m["mismatch/delta_q95"] == 0.0
+    assert any(m["learner/policy_loss"] != 0 for m in hist)

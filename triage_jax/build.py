@@ -70,11 +70,15 @@ def initial_model(c: ml_collections.ConfigDict, model_cfg, tok, src, *, progress
 
 
 def learner_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
+    """The learner's policy; exact mode: the sampler's (token-wise activation scales, batch-invariant numerics)."""
+    if c.learner.exact:
+        return PrecisionPolicy.from_spec(c.learner.precision, act_scaling="row", backend=c.learner.backend,
+                                         exact=True)
     return PrecisionPolicy.from_spec(c.learner.precision, backend=c.learner.backend)
 
 
 def sampler_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
-    return _sampler_policy(c.sampler.precision, c.sampler.kv_cache)
+    return _sampler_policy(c.sampler.precision, c.sampler.kv_cache, exact=bool(c.learner.exact))
 
 
 def sampling(c: ml_collections.ConfigDict, tok) -> SamplingConfig:

@@ -34,6 +34,21 @@ class ConfigError(ValueError):
     """A config value is invalid or contradicts another; the message names the key."""
 
 
+def load_config(name_or_path: str) -> ml_collections.ConfigDict:
+    """A run config: configs/<name>.py of this checkout, or a path to a config file; its `get_config()`."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = name_or_path if name_or_path.endswith(".py") else os.path.join(root, "configs", f"{name_or_path}.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config {name_or_path!r}: no file {path}")
+    spec = importlib.util.spec_from_file_location(f"_config_{os.path.basename(path)[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
 def base_config() -> ml_collections.ConfigDict:
     """All keys with defaults (the tiny CPU run); config files override."""
     c = ml_collections.ConfigDict()
@@ -82,6 +97,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.learner.precision = "bf16"
     c.learner.backend = "xla"
     c.learner.vocab_chunk = 0  # 0: no chunking of the LM head log-softmax
+    # Exact on-policy mode: sampler and learner run batch-invariant numerics (docs/numerics.md#exact-mode), so with
+    # one precision on both sides the learner's recompute equals the sampler's log-probs bit for bit (delta = 0).
+    c.learner.exact = False
 
     c.rl = ml_collections.ConfigDict()
     c.rl.num_prompts = 32  # prompts per rollout batch
@@ -146,6 +164,19 @@ def _one_of(c, key: str, allowed):
         _fail(key, f"{value!r} is not one of {list(allowed)}")
 
 
+def _check_exact(c: ml_collections.ConfigDict) -> None:
+    """learner.exact makes delta zero only when nothing else differs between the two sides."""
+    if c.learner.precision != c.sampler.precision:
+        _fail("learner.exact", f"exact mode needs one precision on both sides; learner.precision="
+              f"{c.learner.precision!r} but sampler.precision={c.sampler.precision!r}")
+    if c.sampler.kv_cache != "bf16":
+        _fail("learner.exact", f"exact mode needs sampler.kv_cache='bf16' (the compute dtype), got "
+              f"{c.sampler.kv_cache!r}: an FP8 cache's scale comes from the prefill batch")
+    if c.learner.backend != "xla":
+        _fail("learner.exact", f"exact mode runs on the xla backend (the sampler's); learner.backend="
+              f"{c.learner.backend!r}")
+
+
 def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     """Check values and cross-key consistency; raise ConfigError naming the key. Cheap: no JAX work."""
     for key, new in MOVED_KEYS.items():
@@ -172,6 +203,9 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     for name in ("data", "fsdp", "tensor", "expert"):
         if int(c.mesh[name]) < 1:
             _fail(f"mesh.{name}", f"must be >= 1, got {c.mesh[name]}")
+
+    if c.learner.exact:
+        _check_exact(c)
 
     rl = c.rl
     if rl.group_size == 1 and rl.std_normalize:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from triage_jax.models import invariant
 from triage_jax.quant import PrecisionPolicy, QuantizedWeight, qdot
 
 F32 = jnp.float32
@@ -31,9 +32,14 @@ def lm_head_logits(h_nd: jax.Array, w_dv, policy: PrecisionPolicy | None, temper
     policy = policy or PrecisionPolicy()
     prec = policy.for_layer(LM_HEAD)
     if not prec.quantized and not isinstance(w_dv, QuantizedWeight):
-        logits = jnp.dot(h_nd, w_dv.astype(h_nd.dtype), preferred_element_type=F32)
+        dot = lambda h: jnp.dot(h, w_dv.astype(h.dtype), preferred_element_type=F32)  # noqa: E731
     else:
-        logits = qdot(h_nd, w_dv, prec, backend=policy.backend).astype(F32)
+        dot = lambda h: qdot(h, w_dv, prec, backend=policy.backend).astype(F32)  # noqa: E731
+    if policy.exact:
+        lead = h_nd.shape[:-1]
+        logits = invariant.padded_rows(dot, h_nd.reshape(-1, h_nd.shape[-1])).reshape(*lead, -1)
+    else:
+        logits = dot(h_nd)
     return logits / jnp.asarray(temperature, F32)
 
 
@@ -59,14 +65,18 @@ def chunked_logprobs(h_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, *
     d, v = w_dv.shape
     if d != h_btd.shape[-1]:
         raise ValueError(f"chunked_logprobs: hidden dim {h_btd.shape[-1]} != LM head rows {d} (head {w_dv.shape})")
-    if isinstance(w_dv, QuantizedWeight) or _head_precision(policy).weight != "none":
-        vocab_chunk = v
+    exact = policy is not None and policy.exact
+    if isinstance(w_dv, QuantizedWeight) or _head_precision(policy).weight != "none" or exact:
+        vocab_chunk = v  # exact mode: the sampler's one full-vocabulary normalizer
     chunk = min(vocab_chunk, v)
     n_chunks = -(-v // chunk)
     if n_chunks == 1:  # no scan: also the path of a quantized head, which a chunk cannot reproduce
         z_btv = lm_head_logits(h_btd, w_dv, policy, temperature)
-        lse_bt = jax.nn.logsumexp(z_btv, axis=-1)
-        logp_bt = jnp.take_along_axis(z_btv, targets_bt.astype(jnp.int32)[..., None], axis=-1)[..., 0] - lse_bt
+        if exact:
+            logp_bt = invariant.log_softmax_at(z_btv, targets_bt)
+        else:
+            lse_bt = jax.nn.logsumexp(z_btv, axis=-1)
+            logp_bt = jnp.take_along_axis(z_btv, targets_bt.astype(jnp.int32)[..., None], axis=-1)[..., 0] - lse_bt
         if return_entropy:
             logp_btv = jax.nn.log_softmax(z_btv, axis=-1)
             return logp_bt, -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
@@ -141,8 +151,11 @@ def token_logprobs(model, input_ids_bt: jax.Array, targets_bt: jax.Array, mask_b
     return jnp.where(m, out, 0.0)
 
 
-def logprob_of(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
-    """log_softmax(logits)[tokens] over the full vocabulary (logits already divided by the temperature)."""
+def logprob_of(logits_bv: jax.Array, tokens_b: jax.Array, exact: bool = False) -> jax.Array:
+    """log_softmax(logits)[tokens] over the full vocabulary (logits already divided by the temperature); exact:
+    exact mode's normalizer (`invariant.log_softmax_at`, what the learner computes then too)."""
+    if exact:
+        return invariant.log_softmax_at(logits_bv, tokens_b)
     return jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), tokens_b[:, None], axis=-1)[:, 0]
 
 
@@ -159,9 +172,13 @@ def response_logprobs(model, prompt_bp: jax.Array, prompt_mask_bp: jax.Array, re
     p = prompt_bp.shape[1]
     seq_bs = jnp.concatenate([prompt_bp, response_bn], axis=1).astype(jnp.int32)
     real_bs = jnp.concatenate([prompt_mask_bp, response_mask_bn], axis=1).astype(bool)
-    h_btd, aux = model(seq_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
-                       return_hidden=True, return_aux=True)
-    logp_bn, ent_bn = chunked_logprobs(h_btd[:, p - 1:], model.lm_head_kernel(), response_bn, policy=policy,
+    if policy is not None and policy.exact:
+        h_bnd, aux = _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, response_bn.shape[1], policy)
+    else:
+        h_btd, aux = model(seq_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
+                           return_hidden=True, return_aux=True)
+        h_bnd = h_btd[:, p - 1:]
+    logp_bn, ent_bn = chunked_logprobs(h_bnd, model.lm_head_kernel(), response_bn, policy=policy,
                                        temperature=temperature, vocab_chunk=vocab_chunk, return_entropy=True)
     m = response_mask_bn.astype(bool)
     out = (jnp.where(m, logp_bn, 0.0),)
@@ -170,3 +187,20 @@ def response_logprobs(model, prompt_bp: jax.Array, prompt_mask_bp: jax.Array, re
     if return_aux:
         out += (aux["moe_aux_loss"],)
     return out[0] if len(out) == 1 else out
+
+
+def _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, n: int, policy):
+    """Exact mode: the hidden states [B, N, D] that predict the N response tokens, computed with each row's real
+    tokens moved to columns 0.. (left padding removed), so every token sits at the slot, and so at the position in
+    every reduction, that the sampler's KV cache gave it."""
+    s = seq_bs.shape[1]
+    plen_b = jnp.sum(prompt_mask_bp, axis=1, dtype=jnp.int32)
+    src_bs = jnp.arange(s, dtype=jnp.int32)[None, :] + (prompt_mask_bp.shape[1] - plen_b)[:, None]
+    inside_bs = src_bs < s
+    src_bs = jnp.minimum(src_bs, s - 1)
+    ids_bs = jnp.take_along_axis(seq_bs, src_bs, axis=1)
+    real_bs = jnp.take_along_axis(real_bs, src_bs, axis=1) & inside_bs
+    h_btd, aux = model(ids_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
+                       return_hidden=True, return_aux=True)
+    at_bn = (plen_b - 1)[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    return jnp.take_along_axis(h_btd, at_bn[:, :, None], axis=1), aux

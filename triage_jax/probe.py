@@ -62,10 +62,11 @@ def sampler_rules(rules) -> tuple:
 
 
 def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: str, seed: int, pad_id: int,
-                     max_cache_len: int | None = None, rules=()):
+                     max_cache_len: int | None = None, rules=(), exact: bool = False):
     """The sampler side: `prompts` answered under the `sampler` preset (weights quantized once) -> SampleOutput.
-    `rules`: per-layer (regex, preset) pairs ahead of the preset (activations token-wise, as the preset's)."""
-    policy = sampler_policy(sampler, kv_cache=kv, rules=sampler_rules(rules))
+    `rules`: per-layer (regex, preset) pairs ahead of the preset (activations token-wise, as the preset's).
+    exact: exact mode's batch-invariant numerics (pair it with `recompute_logprobs(..., exact=True)`)."""
+    policy = sampler_policy(sampler, kv_cache=kv, rules=sampler_rules(rules), exact=exact)
     return generate(prepare_model(model, policy), prompts, cfg, policy=policy, key=jax.random.key(seed),
                     pad_id=pad_id, max_cache_len=max_cache_len)
 
@@ -78,13 +79,21 @@ def _jitted_logprobs(temperature: float, vocab_chunk: int):
         static_argnums=(0, 2))
 
 
-def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int, rules=()) -> jax.Array:
+def learner_policy(learner: str, rules=(), *, exact: bool = False) -> PrecisionPolicy:
+    """The learner side's policy; exact mode takes the sampler's token-wise activation scales and rules."""
+    if exact:
+        return PrecisionPolicy.from_spec(learner, act_scaling="row", rules=sampler_rules(rules), exact=True)
+    return PrecisionPolicy.from_spec(learner, rules=tuple(rules))
+
+
+def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int, rules=(),
+                       exact: bool = False) -> jax.Array:
     """The learner side: log-probs [N, T] of `out`'s sampled tokens in one teacher-forced pass under the `learner`
     preset and per-layer `rules` (one compilation per (temperature, vocab_chunk, model structure, policy))."""
     graphdef, state = nnx.split(model)
     return _jitted_logprobs(float(temperature), int(vocab_chunk))(
-        graphdef, state, PrecisionPolicy.from_spec(learner, rules=tuple(rules)), out.prompt_tokens, out.prompt_mask, out.tokens,
-        out.mask)
+        graphdef, state, learner_policy(learner, rules, exact=exact), out.prompt_tokens, out.prompt_mask,
+        out.tokens, out.mask)
 
 
 # ------------------------------------------------------------------------------------------------ measurement

@@ -131,10 +131,11 @@ class _Static:
     use_top_p: bool
     greedy: bool
     pad_id: int
+    exact: bool = False  # exact mode's log-prob normalizer (PrecisionPolicy.exact)
 
 
-def _static(cfg: SamplingConfig, pad_id: int) -> _Static:
-    return _Static(cfg.max_new_tokens, cfg.top_k, cfg.top_p < 1.0, cfg.greedy, int(pad_id))
+def _static(cfg: SamplingConfig, pad_id: int, exact: bool = False) -> _Static:
+    return _Static(cfg.max_new_tokens, cfg.top_k, cfg.top_p < 1.0, cfg.greedy, int(pad_id), bool(exact))
 
 
 def _hyper(cfg: SamplingConfig):
@@ -150,7 +151,7 @@ def _draw(scaled_bv, keys_b, top_p, st: _Static):
     else:
         filtered = filter_logits(scaled_bv, top_k=st.top_k, top_p=top_p, use_top_p=st.use_top_p)
         tok_b = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys_b, filtered).astype(jnp.int32)
-    return tok_b, logprob_of(scaled_bv, tok_b)
+    return tok_b, logprob_of(scaled_bv, tok_b, st.exact)
 
 
 def _token_keys(key, req_b, index_b):
@@ -227,7 +228,6 @@ def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s
     """Up to `steps` decode steps of every active slot (fewer when all are done): feed each slot's last token,
     draw the next one."""
     model = nnx.merge(graphdef, state)
-    w_dv = model.lm_head_kernel()
     rows_s = jnp.arange(slots.tok.shape[0])
 
     def cond(c):
@@ -238,7 +238,9 @@ def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s
         i, sl = c
         h_s1d, cache = model(sl.tok[:, None], attention_mask_bt=sl.active[:, None], policy=policy, cache=sl.cache,
                              return_hidden=True)
-        scaled_sv = lm_head_logits(h_s1d[:, 0], w_dv, policy, temperature)
+        # The head's kernel is taken inside the loop, next to its dot, as the learner's program has it: hoisted out,
+        # the tied head's transpose can reach the dot in another layout, and another layout sums in another order.
+        scaled_sv = lm_head_logits(h_s1d[:, 0], model.lm_head_kernel(), policy, temperature)
         new_s, logp_s = _draw(scaled_sv, _token_keys(key, sl.req, sl.n_gen), top_p, st)
         idx_s = jnp.where(sl.active, sl.n_gen, st.max_new_tokens)  # inactive rows write nowhere (dropped)
         n_gen = sl.n_gen + sl.active
@@ -298,7 +300,10 @@ class Engine:
         # prefill_batch rows per shard: the prefill's per-device shape, like the decode's, is the device count's.
         self.prefill_batch = config.prefill_batch * self.shards
         self.policy = policy or PrecisionPolicy()
-        self.st = _static(cfg, pad_id)
+        if self.policy.exact and self.policy.kv_cache == "fp8":
+            raise ValueError("exact mode needs a KV cache in the compute dtype: the FP8 cache's scale is set by the "
+                             "prefill batch, which the learner cannot reproduce (sampler.kv_cache='bf16')")
+        self.st = _static(cfg, pad_id, self.policy.exact)
         self.pad_id = int(pad_id)
         self.rounds = 0  # decode rounds run by the last generate (steps <= rounds * steps_per_round)
         self.capacities: list[int] = []  # the cache capacity of each of those rounds

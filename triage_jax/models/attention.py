@@ -7,8 +7,10 @@ The projections go through the quantized dot; scores and softmax run in high pre
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from triage_jax.models import invariant
 from triage_jax.models import kv_cache as kvc
 from triage_jax.models.config import ModelConfig
 from triage_jax.models.layers import Linear, RMSNorm, apply_rope
@@ -40,8 +42,9 @@ class Attention(nnx.Module):
         mask_bts: bool [B, T, S] (no cache only), True where query t may attend to key s.
         Returns y_btd, or (y_btd, cache) when a cache is given.
         """
-        q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd, policy)), cos_bth, sin_bth)
-        k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd, policy)), cos_bth, sin_bth)
+        exact = policy is not None and policy.exact
+        q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd, policy), policy), cos_bth, sin_bth)
+        k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd, policy), policy), cos_bth, sin_bth)
         v_btkh = self.v_proj(x_btd, policy)
         q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
         if cache is not None:
@@ -51,12 +54,20 @@ class Attention(nnx.Module):
             cache = cache.replace(k=cache.k[:i] + (k_buf,) + cache.k[i + 1:],
                                   v=cache.v[:i] + (v_buf,) + cache.v[i + 1:],
                                   k_scale=cache.k_scale.at[i].set(k_scale), v_scale=cache.v_scale.at[i].set(v_scale))
-            out_btnh = kvc.cached_attention(q_btnh, kvc.read(k_buf, k_scale, q_btnh.dtype),
-                                            kvc.read(v_buf, v_scale, q_btnh.dtype), slot_bt,
-                                            scale=self.head_dim**-0.5)
+            k_bksh, v_bksh = kvc.read(k_buf, k_scale, q_btnh.dtype), kvc.read(v_buf, v_scale, q_btnh.dtype)
+            if exact:
+                visible_bts = jnp.arange(k_bksh.shape[2], dtype=jnp.int32)[None, None, :] <= slot_bt[:, :, None]
+                out_btnh = invariant.attention(q_btnh, k_bksh, v_bksh, visible_bts, self.head_dim**-0.5)
+            else:
+                out_btnh = kvc.cached_attention(q_btnh, k_bksh, v_bksh, slot_bt, scale=self.head_dim**-0.5)
             return self.o_proj(out_btnh, policy), cache
         t = q_btnh.shape[1]
-        if self.attn_chunk and t > self.attn_chunk and mask_bts is not None:
+        if exact:
+            # The learner's side of exact mode: its sequence's tokens sit at the slots the sampler's cache held.
+            visible_bts = jnp.tril(jnp.ones((1, t, t), bool)) if mask_bts is None else mask_bts
+            out_btnh = invariant.attention(q_btnh, k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3),
+                                           visible_bts, self.head_dim**-0.5)
+        elif self.attn_chunk and t > self.attn_chunk and mask_bts is not None:
             # Long learner sequences: never materialize the [B, N, T, T] scores (20k-token responses).
             out_btnh = chunked_attention(q_btnh, k_btkh, v_btkh, mask_bts, scale=self.head_dim**-0.5,
                                          q_chunk=self.attn_chunk, k_chunk=2 * self.attn_chunk)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triage_jax.models import invariant
 from triage_jax.quant import PrecisionPolicy, QuantizedWeight, qdot
 
 F32 = jnp.float32
@@ -64,8 +65,16 @@ class Linear(nnx.Module):
         if x.shape[x.ndim - n_in:] != self.in_dims:
             raise ValueError(f"{self.path}: input {x.shape} does not end in {self.in_dims}")
         lead = x.shape[: x.ndim - n_in]
-        y = qdot(x.reshape(*lead, self.kn[0]), self.kernel_2d(), policy.for_layer(self.path), backend=policy.backend,
-                 name=self.path)
+        prec, w = policy.for_layer(self.path), self.kernel_2d()
+        dot = lambda x_mk: qdot(x_mk, w, prec, backend=policy.backend, name=self.path)  # noqa: E731
+        if policy.exact:
+            n = self.kn[1]
+            if not isinstance(w, QuantizedWeight) and n < invariant.MIN_COLS:
+                w_pad = invariant.padded_cols(w)
+                dot = lambda x_mk: qdot(x_mk, w_pad, prec, backend=policy.backend, name=self.path)[:, :n]  # noqa
+            y = invariant.padded_rows(dot, x.reshape(math.prod(lead), self.kn[0]))
+        else:
+            y = dot(x.reshape(*lead, self.kn[0]))
         return y.reshape(*lead, *self.out_dims)
 
 
@@ -76,11 +85,14 @@ class RMSNorm(nnx.Module):
         self.eps, self.dtype = eps, dtype
         self.weight = make_param(None, (dim,), names, param_dtype, init="ones")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
         in_dtype = x.dtype
-        x32 = x.astype(F32)
-        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(in_dtype)
+        if policy is not None and policy.exact:
+            y = invariant.rms_norm(x, self.eps).astype(in_dtype)
+        else:
+            x32 = x.astype(F32)
+            var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+            y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(in_dtype)
         return self.weight[...].astype(in_dtype) * y
 
 

@@ -14,6 +14,7 @@ graph definition and of every jit cache key over the model.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from triage_jax.models import invariant
 from triage_jax.models.config import ModelConfig
 from triage_jax.models.layers import Linear, make_param, policy_or_default
 from triage_jax.models.sharding import EMBED, EXPERT, MLP
@@ -50,12 +52,17 @@ def load_balancing_loss(stats: list[RouterStats] | tuple[RouterStats, ...], num_
     return jnp.sum((tokens / rows) * (probs / rows)) * num_experts
 
 
-def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool):
-    """float32 softmax over experts, top-k, optional renormalization -> (probs_te, weights_tk, experts_tk)."""
-    probs_te = jax.nn.softmax(logits_te.astype(F32), axis=-1)
+def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool, exact: bool = False):
+    """float32 softmax over experts, top-k, optional renormalization -> (probs_te, weights_tk, experts_tk).
+
+    exact: the softmax and the renormalization sum as `invariant.tree_sum`s (exact mode)."""
+    softmax = invariant.softmax if exact else functools.partial(jax.nn.softmax, axis=-1)
+    total = (lambda w: invariant.tree_sum(w, -1)[..., None]) if exact else (
+        lambda w: jnp.sum(w, axis=-1, keepdims=True))
+    probs_te = softmax(logits_te.astype(F32))
     weights_tk, experts_tk = jax.lax.top_k(probs_te, top_k)
     if norm_topk_prob:
-        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+        weights_tk = weights_tk / total(weights_tk)
     return probs_te, weights_tk, experts_tk
 
 
@@ -86,7 +93,10 @@ class GroupedLinear(nnx.Module):
 def grouped_dot(x_mk, w_ekn, group_sizes_e, policy: PrecisionPolicy | None, path: str):
     """qragged_dot under the policy's precision for the layer at `path`."""
     policy = policy_or_default(policy)
-    return qragged_dot(x_mk, w_ekn, group_sizes_e, policy.for_layer(path), backend=policy.backend, name=path)
+    prec = policy.for_layer(path)
+    dot = lambda x: qragged_dot(x, w_ekn, group_sizes_e, prec, backend=policy.backend, name=path)  # noqa: E731
+    # Exact mode: rows appended past the last group (ragged_dot gives them zeros) keep the kernel's row count >= 64.
+    return invariant.padded_rows(dot, x_mk) if policy.exact else dot(x_mk)
 
 
 def expert_ffn(x_md, group_sizes_e, w_gate, w_up, w_down, policy, paths) -> jax.Array:
@@ -140,7 +150,8 @@ class MoE(nnx.Module):
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
         logits_te = self.router(x_td, policy)  # compute dtype, like HF's F.linear
-        probs_te, weights_tk, experts_tk = route(logits_te, self.top_k, self.norm_topk_prob)
+        exact = policy is not None and policy.exact
+        probs_te, weights_tk, experts_tk = route(logits_te, self.top_k, self.norm_topk_prob, exact)
         mesh = expert_mesh(self.num_experts)
         if mesh is not None:
             y_td = expert_parallel_combine(x_td, weights_tk, experts_tk, self.experts.weights(), policy,
@@ -194,7 +205,10 @@ def combine_experts(x_td, weights_tk, experts_tk, weights, policy, paths, num_ex
     w_m = weights_tk.reshape(-1)[order_m].astype(x_td.dtype)  # HF casts the routing weights to the dtype
     y_md = y_md * w_m[:, None]
     inverse_m = jnp.argsort(order_m)
-    return jnp.sum(y_md[inverse_m].reshape(t, top_k, d).astype(F32), axis=1)  # float32 [T, D]
+    y_tkd = y_md[inverse_m].reshape(t, top_k, d).astype(F32)
+    if policy is not None and policy.exact:
+        return invariant.tree_sum(y_tkd, 1)
+    return jnp.sum(y_tkd, axis=1)  # float32 [T, D]
 
 
 def expert_mesh(num_experts: int):

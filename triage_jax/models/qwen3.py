@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triage_jax.models import invariant
 from triage_jax.models.attention import Attention, causal_padding_mask
 from triage_jax.models.config import ModelConfig
 from triage_jax.models.layers import (
@@ -45,14 +46,14 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, token_mask_bt, policy=None, *, cache=None,
                  slot_bt=None):
         """Pre-norm attention and FFN residual blocks -> (x_btd, RouterStats | None, cache | None)."""
-        h_btd = self.input_norm(x_btd)
+        h_btd = self.input_norm(x_btd, policy)
         if cache is None:
             a_btd = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy)
         else:
             a_btd, cache = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy, cache=cache, slot_bt=slot_bt,
                                      new_mask_bt=token_mask_bt)
         x_btd = x_btd + a_btd
-        h_btd = self.post_attention_norm(x_btd)
+        h_btd = self.post_attention_norm(x_btd, policy)
         stats = None
         if self.moe is not None:
             f_btd, stats = self.moe(h_btd, policy, token_mask_bt)
@@ -102,8 +103,13 @@ class Qwen3(nnx.Module):
             w = self.embed.embedding[...].T.astype(self.cfg.dtype)
         if not prec.quantized and not isinstance(w, QuantizedWeight):
             # The high-precision head keeps float32 logits (qdot's plain path would round them to bf16).
-            return jnp.dot(hidden_btd, w, preferred_element_type=F32)
-        return qdot(hidden_btd, w, prec, backend=policy.backend, name="lm_head").astype(F32)
+            dot = lambda h: jnp.dot(h, w, preferred_element_type=F32)  # noqa: E731
+        else:
+            dot = lambda h: qdot(h, w, prec, backend=policy.backend, name="lm_head").astype(F32)  # noqa: E731
+        if not policy.exact:
+            return dot(hidden_btd)
+        lead = hidden_btd.shape[:-1]
+        return invariant.padded_rows(dot, hidden_btd.reshape(-1, hidden_btd.shape[-1])).reshape(*lead, -1)
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, policy=None, cache=None,
@@ -160,7 +166,7 @@ class Qwen3(nnx.Module):
                                              slot_bt=slot_bt)
                 if st is not None:
                     stats.append(st)
-        h_btd = self.final_norm(x_btd)
+        h_btd = self.final_norm(x_btd, policy)
         out = h_btd if return_hidden else self.logits(h_btd, policy)
         outputs = (out,) if cache is None else (out, cache)
         if return_aux:

@@ -89,6 +89,9 @@ class PrecisionPolicy:
     `debug_nonfinite` (False, "raise", "log"; quant/debug.py) applies to every layer; None (the default) reads
     env TRIAGE_JAX_DEBUG_NONFINITE once, here, when the policy is built, so the mode is always a field of the
     policy and part of the compiled programs' key.
+    `exact` runs the model's batch-invariant numerics (models/invariant.py): the sampler and the learner, both
+    under such a policy with the same formats, compute every token's log-prob to the same bits
+    (docs/numerics.md#exact-mode).
     """
 
     default: LayerPrecision = HIGH
@@ -97,6 +100,7 @@ class PrecisionPolicy:
     backend: str = "xla"
     keep_high_precision: tuple[str, ...] = DEFAULT_HIGH_PRECISION
     debug_nonfinite: bool | str | None = None
+    exact: bool = False
 
     def __post_init__(self):
         mode = nonfinite_mode_from_env() if self.debug_nonfinite is None else self.debug_nonfinite
@@ -118,6 +122,7 @@ class PrecisionPolicy:
         backend: str = "xla",
         rules: Iterable[tuple[str, LayerPrecision | str]] = (),
         debug_nonfinite: bool | str | None = None,
+        exact: bool = False,
     ) -> "PrecisionPolicy":
         """Build from config strings, e.g. from_spec("w4a4", act_scaling="row", kv_cache="fp8")."""
         base = _as_precision(preset)
@@ -132,6 +137,7 @@ class PrecisionPolicy:
             kv_cache=kv_cache,
             backend=backend,
             debug_nonfinite=debug_nonfinite,
+            exact=bool(exact),
         )
 
     def for_layer(self, path: str) -> LayerPrecision:

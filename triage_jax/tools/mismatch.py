@@ -1,7 +1,11 @@
 """Mismatch probe: sample with the sampler's precision, recompute log-probs with the learner's, report the gap.
 
-    python -m triage_jax.tools.mismatch --config=tiny --learner=bf16 --sampler=w4a4 [--kv=fp8] [--num_prompts=8]
-        [--rules='last:0.15=bf16'] [--sampler_rules='mlp\.down_proj=w4a8'] [--learner_rules=...]
+    python -m triage_jax.tools.mismatch --config=tiny --learner=bf16 --sampler=w4a4 [--kv=fp8] [--num_prompts=128]
+        [--rules='last:0.15=bf16'] [--sampler_rules='mlp\.down_proj=w4a8'] [--learner_rules=...] [--exact]
+
+--config is a model preset (tiny, tiny_moe, qwen3_4b, ...) or a run config file (configs/tiny.py: its model
+preset and compute dtype). --exact runs both sides in exact mode (docs/numerics.md#exact-mode): with one
+precision on both sides, every delta is 0.0 ("max_abs_delta" in the JSON line).
 
 delta = learner log-prob - sampler log-prob per response token (docs/rl_math.md#delta). Prompts are synthetic math
 problems (character tokenizer; a checkpoint's own tokenizer.json with --checkpoint), or random token ids with
@@ -47,8 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{side}rules", action="append", default=[], metavar="REGEX=PRESET",
                        help=f"per-layer precision rule for {side[:-1] or 'both sides'} (repeatable; REGEX=PRESET, "
                             "last:K=PRESET, first:K=PRESET)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="compute dtype")
-    p.add_argument("--num_prompts", type=int, default=8)
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="compute dtype (default: the config file's, else bfloat16)")
+    p.add_argument("--exact", action="store_true", help="exact mode on both sides (needs one precision)")
+    p.add_argument("--num_prompts", type=int, default=128)
     p.add_argument("--group_size", type=int, default=2, help="responses per prompt (GRPO group)")
     p.add_argument("--prompts", default="synthetic", choices=("synthetic", "random"))
     p.add_argument("--prompt_len", type=int, default=32, help="length of random prompts")
@@ -62,6 +68,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_prompts", "group_size", "prompt_len", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.config.endswith(".py"):
+        from triage_jax.config import load_config
+
+        try:
+            c = load_config(args.config)
+        except (FileNotFoundError, OSError) as e:
+            p.error(f"--config={args.config}: {e}")
+        args.config, args.dtype = c.model.preset, args.dtype or c.model.dtype
+    args.dtype = args.dtype or "bfloat16"
+    if args.exact:
+        if args.learner != args.sampler:
+            p.error(f"--exact needs one precision on both sides; got --learner={args.learner} and "
+                    f"--sampler={args.sampler}")
+        if args.kv != "bf16":
+            p.error(f"--exact needs --kv=bf16 (the compute dtype); got --kv={args.kv}")
+        if args.sampler_rules != args.learner_rules:
+            p.error("--exact needs the same per-layer rules on both sides; use --rules, not --sampler_rules / "
+                    "--learner_rules")
     return args
 
 
@@ -112,12 +136,12 @@ def run(args) -> dict:
 
     t0 = time.perf_counter()
     out = probe.sample_responses(model, prompts, cfg, sampler=args.sampler, kv=args.kv, seed=args.seed,
-                                 pad_id=pad_id, rules=rules["sampler"])
+                                 pad_id=pad_id, rules=rules["sampler"], exact=args.exact)
     out.tokens.block_until_ready()
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
     learner_logp = probe.recompute_logprobs(model, out, args.learner, temperature=args.temperature,
-                                            vocab_chunk=args.vocab_chunk, rules=rules["learner"])
+                                            vocab_chunk=args.vocab_chunk, rules=rules["learner"], exact=args.exact)
     learner_logp.block_until_ready()
     t_learn = time.perf_counter() - t0
 
@@ -130,7 +154,9 @@ def run(args) -> dict:
     return {
         "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
         "dtype": args.dtype, "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
-        "learner_rules": [f"{r}={p}" for r, p in rules["learner"]], "responses": len(prompts), "response_tokens": int(out.mask.sum()),
+        "learner_rules": [f"{r}={p}" for r, p in rules["learner"]], "exact": args.exact,
+        "num_responses": len(prompts), "response_tokens": int(out.mask.sum()),
+        "max_abs_delta": float(jnp.max(jnp.abs(delta) * out.mask)),
         "mean_response_len": float(out.lengths.mean()),
         "accuracy": None if scored is None else float(scored.accuracy.mean()),
         "sample_s": round(t_sample, 3), "learner_s": round(t_learn, 3), **metrics,

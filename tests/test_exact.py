@@ -1,0 +1,123 @@
+"""Exact mode: the learner's recompute equals the sampler's log-probs bit for bit (delta = 0) under one precision.
+
+docs/numerics.md#exact-mode. The sampler side runs the rollout engine (prefill, slot insertion, the decode loop);
+the learner side is `response_logprobs` on the left-padded rows the engine returns, as the trainer computes it.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from triage_jax.config import ConfigError, base_config, validate
+from triage_jax.logprobs import response_logprobs
+from triage_jax.models import Qwen3, invariant
+from triage_jax.models.config import PRESETS
+from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
+
+
+def _model(preset: str, dtype: str, layers: int = 2):
+    return Qwen3(dataclasses.replace(PRESETS[preset], dtype=dtype, num_hidden_layers=layers), rngs=nnx.Rngs(0))
+
+
+def _prompts(vocab: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=int(rng.integers(2, 20))).tolist() for _ in range(n)]
+
+
+def _sample(model, policy, prompts, *, slots: int, continuous: bool = True, max_len: int = 64, n: int = 2):
+    engine = Engine(SamplingConfig(max_new_tokens=24), EngineConfig(max_slots=slots, max_len=max_len,
+                                                                   continuous=continuous),
+                    policy=policy, model=prepare_model(model, policy))
+    return engine.generate(prompts, jax.random.key(1), n=n)
+
+
+def _delta(model, policy, out) -> np.ndarray:
+    lp = jax.jit(lambda m, *a: response_logprobs(m, *a, policy=policy))(
+        model, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    return (np.asarray(lp) - np.asarray(out.logprobs))[np.asarray(out.mask)]
+
+
+@pytest.mark.parametrize("preset,precision,dtype", [
+    ("tiny", "bf16", "float32"), ("tiny", "bf16", "bfloat16"), ("tiny", "w4a4", "bfloat16"),
+    ("tiny_moe", "bf16", "float32"), ("tiny_moe", "w4a4", "bfloat16"),
+])
+def test_exact_mode_learner_recompute_equals_sampler_logprobs(preset, precision, dtype):
+    model = _model(preset, dtype)
+    policy = sampler_policy(precision, exact=True)
+    out = _sample(model, policy, _prompts(model.cfg.vocab_size, 12), slots=10)
+    d = _delta(model, policy, out)
+    assert d.size > 200 and np.all(d == 0.0), f"{np.count_nonzero(d)} of {d.size} tokens differ, max {abs(d).max()}"
+
+
+def test_default_mode_is_not_exact_so_the_check_can_fail():
+    """The same check without exact mode finds nonzero deltas (float32, same precision): it measures something."""
+    model = _model("tiny", "float32")
+    policy = sampler_policy("bf16")
+    d = _delta(model, policy, _sample(model, policy, _prompts(model.cfg.vocab_size, 12), slots=10))
+    assert np.count_nonzero(d) > 0
+
+
+def test_exact_tokens_and_logprobs_do_not_depend_on_slots_or_batching():
+    """Slot count (1 row vs 64+), continuous vs static waves and the capacity (64 vs 256): identical outputs."""
+    model = _model("tiny", "bfloat16")
+    policy = sampler_policy("w4a4", exact=True)
+    prompts = _prompts(model.cfg.vocab_size, 6, seed=3)
+    ref = _sample(model, policy, prompts, slots=12)
+    for kw in (dict(slots=1), dict(slots=5, continuous=False), dict(slots=12, max_len=256)):
+        out = _sample(model, policy, prompts, **kw)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=str(kw))
+        np.testing.assert_array_equal(np.asarray(out.logprobs), np.asarray(ref.logprobs), err_msg=str(kw))
+
+
+def test_tree_sum_is_a_fixed_order_unchanged_by_zero_padding():
+    x = jax.random.normal(jax.random.key(0), (3, 40)) * 1e3
+    s40 = invariant.tree_sum(x)
+    # the halving order by hand: pad to 64, then 32, 16, 8, 4, 2, 1
+    y = np.pad(np.asarray(x), ((0, 0), (0, 24)))
+    while y.shape[1] > 1:
+        h = y.shape[1] // 2
+        y = (y[:, :h] + y[:, h:]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(s40), y[:, 0])
+    padded = jnp.pad(x, ((0, 0), (0, 2048 - 40)))
+    np.testing.assert_array_equal(np.asarray(invariant.tree_sum(padded)), np.asarray(s40))
+    np.testing.assert_array_equal(np.asarray(invariant.tree_sum(x[:1])), np.asarray(s40[:1]))
+
+
+def test_exact_attention_gradient_matches_default_attention():
+    q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))
+    k, v = (jax.random.normal(jax.random.key(i), (2, 2, 5, 8)) for i in (1, 2))
+    vis = jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)), (2, 5, 5))
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, vis, 0.3)))
+
+    g_exact = jax.grad(loss(invariant.attention), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(loss(invariant._reference_attention), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_exact, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("sampler.precision", "bf16", "one precision"),
+    ("sampler.kv_cache", "fp8", "kv_cache"),
+    ("learner.backend", "pallas", "xla backend"),
+])
+def test_exact_config_needs_matching_sides(key, value, needle):
+    c = base_config()
+    c.learner.exact, c.learner.precision = True, c.sampler.precision
+    validate(c, check_paths=False)  # matching sides are fine
+    sect, name = key.split(".")
+    c[sect][name] = value
+    with pytest.raises(ConfigError, match=needle) as e:
+        validate(c, check_paths=False)
+    assert "learner.exact" in str(e.value)
+
+
+def test_exact_engine_rejects_an_fp8_cache():
+    with pytest.raises(ValueError, match="KV cache in the compute dtype"):
+        Engine(SamplingConfig(max_new_tokens=4), EngineConfig(max_slots=2, max_len=64),
+               policy=sampler_policy("bf16", kv_cache="fp8", exact=True))

@@ -1,0 +1,172 @@
+"""Batch-invariant ops of exact mode: a token's numbers depend on that token's context alone, never on the other
+rows of its batch, its padding, prefill vs decode, or the capacity of the KV cache it is read from.
+
+XLA's CPU kernels choose their reduction order by shape: a row of a dot over fewer than 64 rows, a row sum over
+40 logits at 1,000 rows vs 64, a sum over a middle axis at 8 columns vs 2 (docs/numerics.md#exact-mode lists the
+measurements). Exact mode therefore
+- runs every matmul on at least `MIN_ROWS` rows (zero rows appended), the regime where the measured dot kernels
+  give each row the same bits whatever the row count, and
+- computes every other reduction as `tree_sum`: a zero-padded power-of-two halving tree of elementwise adds, whose
+  order is fixed by the element's index alone. Zeros past the data leave it unchanged (x + 0 = x), so a sum over
+  64 cache slots equals the sum over 2,048 when the extra slots are masked: capacity buckets do not matter.
+Attention and log-softmax built from these are what the sampler and the learner both run when
+`PrecisionPolicy.exact` is set.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from triage_jax.models import kv_cache
+
+F32 = jnp.float32
+BLOCK = kv_cache.BLOCK  # attention sums over slots per block of this many (the cache capacity granule)
+MIN_ROWS = 64  # the dot kernels are row-count invariant from 64 rows on (docs/numerics.md#exact-mode)
+MIN_COLS = 64  # ... and for outputs of >= 16 columns (float32: 2 and 8 columns are not); 64 with room
+
+
+def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Sum over `axis` by pairwise halving of a zero-padded power-of-two length (fixed, shape-free order)."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, width - n)
+        x = jnp.pad(x, pad)
+    while width > 1:
+        width //= 2
+        x = jax.lax.slice_in_dim(x, 0, width, axis=axis) + jax.lax.slice_in_dim(x, width, 2 * width, axis=axis)
+    return jnp.squeeze(x, axis)
+
+
+def padded_cols(w_kn: jax.Array) -> jax.Array:
+    """w with its output (last) axis zero-padded to >= MIN_COLS: float32 dots with < 16 columns are not row-count
+    invariant (the router's 8 experts); cut the result back with `[..., :N]`."""
+    n = w_kn.shape[-1]
+    return w_kn if n >= MIN_COLS else jnp.pad(w_kn, [(0, 0)] * (w_kn.ndim - 1) + [(0, MIN_COLS - n)])
+
+
+def padded_rows(fn, x_mk: jax.Array, *args):
+    """fn(x, *args) with x's leading (row) axis padded to >= MIN_ROWS zero rows, the result cut back to M rows.
+
+    x enters through an optimization barrier, so it is materialized in its dtype first: fused into the matmul's
+    operand quantization, XLA may keep a bfloat16 elementwise chain (the SwiGLU silu(g) * u) in float32 in one
+    program and round it in another (the MoE experts differed between 1,358 and 8 routed rows)."""
+    x_mk = jax.lax.optimization_barrier(x_mk)
+    m = x_mk.shape[0]
+    if m >= MIN_ROWS:
+        return fn(x_mk, *args)
+    x_pk = jnp.pad(x_mk, [(0, MIN_ROWS - m)] + [(0, 0)] * (x_mk.ndim - 1))
+    return fn(x_pk, *args)[:m]
+
+
+def rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis in float32, the mean a `tree_sum`."""
+    x32 = x.astype(F32)
+    var = tree_sum(x32 * x32, -1)[..., None] / x.shape[-1]
+    return x32 * jax.lax.rsqrt(var + eps)
+
+
+def _shifted_exp(z: jax.Array) -> jax.Array:
+    """exp(z - max z) over the last axis, with the max and the exponentials in fusions of their own.
+
+    Fused with the max's reduction, XLA picks the exponential's vectorization (and so its last bit) by the row
+    count: rows of 8 router logits differ between 24 and 720 rows. A barrier keeps exp elementwise.
+    """
+    m = jnp.max(z, axis=-1, keepdims=True)
+    z, m = jax.lax.optimization_barrier((z, jnp.where(jnp.isfinite(m), m, 0.0)))
+    return jax.lax.optimization_barrier(jnp.exp(z - m)), m
+
+
+def logsumexp(z: jax.Array) -> jax.Array:
+    """log sum exp over the last axis: max (order-free), exponentials, a `tree_sum`."""
+    e, m = _shifted_exp(z)
+    return jnp.log(tree_sum(e, -1)) + m[..., 0]
+
+
+def log_softmax_at(z_nv: jax.Array, tokens_n: jax.Array) -> jax.Array:
+    """log_softmax(z)[token] per row, the normalizer from `logsumexp`."""
+    picked = jnp.take_along_axis(z_nv, tokens_n.astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    return picked - logsumexp(z_nv)
+
+
+def softmax(z: jax.Array) -> jax.Array:
+    """softmax over the last axis, the denominator a `tree_sum`."""
+    e, _ = _shifted_exp(z)
+    return e / tree_sum(e, -1)[..., None]
+
+
+def _blocked_slots(k_bksh, v_bksh, visible_bts):
+    """Keys, values and visibility padded to a whole number of BLOCK slots (the padding invisible)."""
+    pad = -k_bksh.shape[2] % BLOCK
+    if pad:
+        k_bksh, v_bksh = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (k_bksh, v_bksh))
+        visible_bts = jnp.pad(visible_bts, ((0, 0), (0, 0), (0, pad)))
+    return k_bksh, v_bksh, visible_bts
+
+
+def _attention(q_btnh, k_bksh, v_bksh, visible_bts, scale):
+    k_bksh, v_bksh, visible_bts = _blocked_slots(k_bksh, v_bksh, visible_bts)
+    b, t, n, h = q_btnh.shape
+    kvh, s = k_bksh.shape[1], k_bksh.shape[2]
+    g = n // kvh
+    q_bkgth = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).astype(F32)
+    k_bksh, v_bksh = k_bksh.astype(F32), v_bksh.astype(F32)
+    # Scores, weights and the value sum are products summed by tree_sum: elementwise ops in an index-fixed order.
+    scores = tree_sum(q_bkgth[:, :, :, :, None, :] * k_bksh[:, :, None, None, :, :], -1) * scale  # [b,k,g,t,s]
+    scores = jnp.where(visible_bts[:, None, None], scores, -jnp.inf)
+    p, _ = _shifted_exp(scores)  # a query that sees nothing (a pad) gets zeros
+    # Sums over slots run per BLOCK-slot block, then over blocks: the compiler may fuse a product into the add of
+    # the first tree level (an FMA), so products are only ever paired within a block, the same at any capacity.
+    p_bkgtnc = p.reshape(b, kvh, g, t, s // BLOCK, BLOCK)
+    den = tree_sum(tree_sum(p_bkgtnc, -1), -1)
+    v_bkncd = v_bksh.reshape(b, kvh, s // BLOCK, BLOCK, h)
+    num = tree_sum(tree_sum(p_bkgtnc[..., None] * v_bkncd[:, :, None, None], -2), -2)  # [b,k,g,t,h]
+    out_bkgth = num / jnp.where(den > 0, den, 1.0)[..., None]
+    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def _reference_attention(q_btnh, k_bksh, v_bksh, visible_bts, scale):
+    """The same attention through dots: its VJP is exact mode's backward (the forward bits are what must match)."""
+    b, t, n, h = q_btnh.shape
+    kvh = k_bksh.shape[1]
+    q_bkgth = q_btnh.reshape(b, t, kvh, n // kvh, h).transpose(0, 2, 3, 1, 4).astype(F32)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh.astype(F32)) * scale
+    visible = visible_bts[:, None, None]
+    scores = jnp.where(visible, scores, -1e30)
+    out = jnp.einsum("bkgts,bksh->bkgth", jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0),
+                     v_bksh.astype(F32))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _exact_attention(q_btnh, k_bksh, v_bksh, visible_bts, scale):
+    return _attention(q_btnh, k_bksh, v_bksh, visible_bts, scale)
+
+
+def _exact_attention_fwd(q_btnh, k_bksh, v_bksh, visible_bts, scale):
+    return _attention(q_btnh, k_bksh, v_bksh, visible_bts, scale), (q_btnh, k_bksh, v_bksh, visible_bts)
+
+
+def _exact_attention_bwd(scale, res, g):
+    q_btnh, k_bksh, v_bksh, visible_bts = res
+    _, vjp = jax.vjp(lambda q, k, v: _reference_attention(q, k, v, visible_bts, scale), q_btnh, k_bksh, v_bksh)
+    return (*vjp(g), None)
+
+
+_exact_attention.defvjp(_exact_attention_fwd, _exact_attention_bwd)
+
+
+def attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, visible_bts: jax.Array,
+              scale: float) -> jax.Array:
+    """GQA attention of T queries over S key slots, out [B, T, N, Dh]; visible_bts: bool, query t sees slot s.
+
+    float32 throughout. A query's output depends only on the keys it sees and their slot indices (not on T, S
+    beyond them, or the other rows), so prefill, decode and the learner's full forward agree bit for bit when they
+    place a sequence's tokens at the same slots. The backward pass is the dot-based attention's (same math).
+    """
+    return _exact_attention(q_btnh, k_bksh, v_bksh, visible_bts, scale)
