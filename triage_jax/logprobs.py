@@ -148,19 +148,22 @@ def logprob_of(logits_bv: jax.Array, tokens_b: jax.Array) -> jax.Array:
 
 def response_logprobs(model, prompt_bp: jax.Array, prompt_mask_bp: jax.Array, response_bn: jax.Array,
                       response_mask_bn: jax.Array, *, policy=None, temperature: float = 1.0,
-                      vocab_chunk: int = DEFAULT_VOCAB_CHUNK, return_entropy: bool = False, return_aux: bool = False):
+                      vocab_chunk: int = DEFAULT_VOCAB_CHUNK, return_entropy: bool = False, return_aux: bool = False,
+                      routing_bslk=None):
     """Teacher-forced log-probs [B, N] of responses after LEFT-padded prompts (as the sampler returns them), zero
     off the response mask; with return_entropy also the entropies, with return_aux also the MoE aux loss.
 
     The sequence is prompt ++ response; a response token's RoPE position continues its row's real prompt tokens,
     exactly as the sampler placed it (so in float32 this reproduces the sampler's log-probs). Only the N positions
-    that predict response tokens go through the LM head. Target ids must lie in [0, V).
+    that predict response tokens go through the LM head. Target ids must lie in [0, V). routing_bslk: the MoE
+    expert ids [B, P + N, L_moe, k] the sampler used for prompt ++ response (`SampleOutput.routing`), replayed.
     """
     p = prompt_bp.shape[1]
     seq_bs = jnp.concatenate([prompt_bp, response_bn], axis=1).astype(jnp.int32)
     real_bs = jnp.concatenate([prompt_mask_bp, response_mask_bn], axis=1).astype(bool)
     h_btd, aux = model(seq_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
-                       return_hidden=True, return_aux=True)
+                       return_hidden=True, return_aux=True,
+                       routing_btlk=None if routing_bslk is None else routing_bslk[:, :-1])
     logp_bn, ent_bn = chunked_logprobs(h_btd[:, p - 1:], model.lm_head_kernel(), response_bn, policy=policy,
                                        temperature=temperature, vocab_chunk=vocab_chunk, return_entropy=True)
     m = response_mask_bn.astype(bool)
