@@ -1,4 +1,8 @@
-"""Routing replay (R3) for MoE: the sampler records each token's expert ids, the learner routes by them."""
+"""Routing replay (R3) for MoE: the sampler records each token's expert ids, the learner routes by them (the
+trainer end to end on configs/tiny_moe.py is `slow`)."""
+
+import os
+import runpy
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,9 @@ from triage_jax.models.moe import route, routing_dtype
 from triage_jax.rl.delta import token_delta
 from triage_jax.rollout import Rollout
 from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
+from triage_jax.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS = [[5, 17, 99, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [77], [8, 9], [60, 61, 62]]
 CFG = SamplingConfig(max_new_tokens=16, stop_ids=(7, 11, 19, 23))
@@ -128,3 +135,70 @@ def test_routing_replay_needs_an_moe_model():
         validate(c, check_paths=False)
     c.model.preset = "tiny_moe"
     validate(c, check_paths=False)
+
+
+def test_learner_recompute_and_update_replay_the_routing():
+    """Learner.logprobs and the update's loss replay a batch's routing: other ids than the learner's own change
+    the log-probs and the loss, and the router still gets a gradient."""
+    from triage_jax import build
+
+    c = base_config()
+    c.model.preset = "tiny_moe"
+    c.rl.num_prompts, c.rl.group_size, c.rl.mini_batch, c.rl.micro_batch = 2, 2, 4, 2
+    c.rl.correction = "none"
+    mc = get_model_config("tiny_moe", num_hidden_layers=2)
+    learner = build.learner(c, Qwen3(mc, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    n, p, r = 4, 5, 6
+    ids = rng.integers(2, 100, (n, p + r)).astype(np.int32)
+    attn = np.ones((n, p + r), bool)
+    attn[:2, :2] = False
+    resp = attn[:, p:].astype(np.float32)
+    forward = nnx.jit(lambda m, ids, am: m(ids, None, am, return_hidden=True, return_aux=True)[1])
+    aux = forward(learner.model(), jnp.asarray(ids[:, :-1]), jnp.asarray(attn[:, :-1]))
+    own = np.concatenate([np.asarray(aux["experts_btlk"]), np.full((n, 1, 2, 2), -1)], 1).astype(np.int8)
+    other = np.where(own >= 0, (own + 3) % 8, -1).astype(np.int8)
+    adv = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
+
+    def run(routing):
+        old, _ = learner.logprobs(ids, attn, r, routing=routing)
+        batch, _, _ = learner.prepare(input_ids=ids, attn_mask=attn, resp_mask=resp, adv=adv,
+                                      sampler_logp=np.asarray(old) - 0.1, old_logp=old,
+                                      ref_logp=jnp.zeros_like(old), routing=routing)
+        loss, _, _, grads = learner.loss_and_grads(batch)
+        return np.asarray(old), float(loss), grads
+
+    # (Replaying the own ids is the plain forward: test_replaying_the_own_routing_is_the_plain_forward.)
+    base, other_run = run(own), run(other)  # one compilation each for the recompute and the loss
+    assert np.abs(other_run[0] - base[0]).max() > 1e-3 and other_run[1] != pytest.approx(base[1], abs=1e-6)
+    router_g = other_run[2]["layers"][0]["moe"]["router"]["kernel"]
+    assert float(jnp.abs(router_g[...]).max()) > 0
+
+
+@pytest.mark.slow
+def test_trainer_runs_with_routing_replay_on_tiny_moe(tmp_path):
+    c = runpy.run_path(os.path.join(ROOT, "configs", "tiny_moe.py"))["get_config"]()
+    c.run_dir, c.warmup.cache_dir = str(tmp_path / "run"), str(tmp_path / "warm")
+    c.warmup.steps, c.warmup.batch_size = 4, 8
+    c.rl.num_prompts, c.rl.group_size, c.rl.mini_batch, c.rl.micro_batch = 2, 4, 4, 2
+    c.rl.dynamic_sampling, c.rl.overlong_buffer = False, 8
+    c.sampler.max_new_tokens = 12
+    c.train.steps, c.train.energy_every, c.train.progress = 2, 2, False
+    c.rl.routing_replay = True
+    tr = Trainer(c)
+    seen = []
+    original = tr.learner.logprobs
+
+    def logprobs(*a, routing=None, **kw):
+        seen.append(routing)
+        return original(*a, routing=routing, **kw)
+
+    tr.learner.logprobs = logprobs
+    hist = tr.run()
+    assert len(hist) == 2
+    for m in hist:
+        assert np.isfinite(m["learner/loss"]) and np.isfinite(m["mismatch/mean_abs_delta"])
+        assert m["learner/grad_norm"] > 0
+    r = seen[0]
+    assert r is not None and r.dtype == np.int8 and r.shape == (8, c.sampler.max_prompt_len + 12, 4, 2)
+    assert all(s is not None for s in seen)  # the recompute and the energy pass both replay
