@@ -99,7 +99,7 @@ def _sample(model, sampler):
 
 def test_replay_removes_every_routing_flip(model):
     """W4A4 sampler vs float32 BF16 learner: quantization flips some tokens' experts; replaying the sampler's
-    ids leaves none (and changes the learner's log-probs)."""
+    ids leaves none."""
     out = _sample(model, "w4a4")
     flips, recorded = probe.routing_flips(probe.learner_routing(model, out, "bf16"), out.routing)
     assert recorded > 60 and flips > 0
@@ -107,9 +107,6 @@ def test_replay_removes_every_routing_flip(model):
     assert probe.routing_flips(replayed, out.routing) == (0, recorded)
     kept = np.asarray(out.routing[:, :-1]) >= 0
     np.testing.assert_array_equal(np.asarray(replayed)[kept], np.asarray(out.routing[:, :-1])[kept])
-    lp = probe.recompute_logprobs(model, out, "bf16", temperature=1.0, vocab_chunk=128, routing=out.routing)
-    lp_off = probe.recompute_logprobs(model, out, "bf16", temperature=1.0, vocab_chunk=128)
-    assert float(jnp.abs(lp - lp_off).max()) > 0
 
 
 def test_replay_at_identical_float32_precision_keeps_the_sampler_numbers(model):
