@@ -145,7 +145,8 @@ def run(args) -> dict:
     metrics = probe.diagnostics(adv, delta, out.mask)
     return {
         "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
-        "dtype": args.dtype, "routing_replay": args.routing_replay, **routing, "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
+        "dtype": args.dtype, "routing_replay": args.routing_replay, **routing,
+        "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
         "learner_rules": [f"{r}={p}" for r, p in rules["learner"]], "responses": len(prompts), "response_tokens": int(out.mask.sum()),
         "mean_response_len": float(out.lengths.mean()),
         "accuracy": None if scored is None else float(scored.accuracy.mean()),
