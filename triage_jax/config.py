@@ -15,7 +15,7 @@ import re
 
 import ml_collections
 
-from triage_jax.models.config import REMAT_MODES
+from triage_jax.models.config import PRESETS as MODEL_PRESETS, REMAT_MODES
 from triage_jax.quant import PRESETS
 from triage_jax.rl.corrections import CORRECTIONS
 from triage_jax.rl.grpo import AGGREGATIONS
@@ -117,6 +117,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.overlong_factor = 1.0
     c.rl.kl_coef = 0.0
     c.rl.correction = "triage"  # a key of rl.corrections.CORRECTIONS
+    # Routing replay (R3, MoE only): the sampler records each token's expert ids per MoE layer and every learner
+    # forward over the rollout (recompute, reference, updates) routes by them, gated by its own router.
+    c.rl.routing_replay = False
     # Each correction's settings: a sub-dict named like its registry key, defaults from its config dataclass
     # (rl.token_tis.C, rl.seq_mis.lo, rl.icepop.b, rl.triage.segment_len, ...).
     for name, correction in CORRECTIONS.items():
@@ -270,6 +273,11 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
                       f"got {c.warmup[key.split('.')[1]]}")
     if rl.max_resample < 0:
         _fail("rl.max_resample", f"must be >= 0, got {rl.max_resample}")
+    if rl.routing_replay and _num_experts(c) == 0:
+        model = (f"config.model.hf_path={c.model.hf_path!r}" if c.model.hf_path
+                 else f"config.model.preset={c.model.preset!r}")
+        _fail("rl.routing_replay", f"replays MoE expert routing, but {model} is a dense model (num_experts=0); "
+              f"use an MoE model (e.g. configs/tiny_moe.py) or set rl.routing_replay=False")
 
     if check_paths:
         if c.model.preset.startswith("qwen3") and not c.model.hf_path:
@@ -286,6 +294,20 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             _fail("tokenizer", f"{tok!r} does not exist (pass --config.tokenizer=/path/tokenizer.json)")
         if c.model.hf_path:
             _check_hf_config_json(os.path.join(c.model.hf_path, "config.json"))
+
+
+def _num_experts(c: ml_collections.ConfigDict) -> int | None:
+    """The model's expert count as the preset or the HF config.json says (None when that cannot be read here)."""
+    if not c.model.hf_path:
+        preset = MODEL_PRESETS.get(c.model.preset)
+        return None if preset is None else preset.num_experts
+    import json
+
+    try:
+        with open(os.path.join(c.model.hf_path, "config.json")) as f:
+            return int(json.load(f).get("num_experts") or 0)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def _check_hf_config_json(path: str) -> None:

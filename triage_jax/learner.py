@@ -42,6 +42,7 @@ class RolloutBatch:
     ref_logp: jax.Array  # float32 [N, R] (reference policy; zeros when the KL term is off)
     weights: jax.Array  # float32 [N, R] correction weights (TRIAGE alpha, TIS, ...)
     loss_mask: jax.Array  # float32 [N, R] resp_mask with the correction's dropped tokens zeroed
+    routing: jax.Array | None = None  # int [N, S, L_moe, k] the sampler's expert ids, replayed (R3); None: off
 
     @property
     def resp_len(self) -> int:
@@ -52,12 +53,13 @@ class RolloutBatch:
         return self.input_ids.shape[0]
 
 
-def batch_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temperature, vocab_chunk):
-    """(logp [N, R], entropy [N, R], MoE aux loss) of the response part of [prompt (P) | response (R)] rows."""
+def batch_logprobs(model, input_ids, attn_mask, resp_len: int, *, policy, temperature, vocab_chunk, routing=None):
+    """(logp [N, R], entropy [N, R], MoE aux loss) of the response part of [prompt (P) | response (R)] rows;
+    routing [N, S, L_moe, k] (or None) replays the sampler's MoE expert ids."""
     p = input_ids.shape[1] - resp_len
     return response_logprobs(model, input_ids[:, :p], attn_mask[:, :p], input_ids[:, p:], attn_mask[:, p:],
                              policy=policy, temperature=temperature, vocab_chunk=vocab_chunk, return_entropy=True,
-                             return_aux=True)
+                             return_aux=True, routing_bslk=routing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +145,7 @@ class LossSettings:
 def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, tokens, s: LossSettings, policy):
     """Loss contribution of one micro-batch: its sums over the mini-batch denominators (exact accumulation)."""
     logp, _, aux = batch_logprobs(model, mb.input_ids, mb.attn_mask, mb.resp_len, policy=policy,
-                                  temperature=s.temperature, vocab_chunk=s.vocab_chunk)
+                                  temperature=s.temperature, vocab_chunk=s.vocab_chunk, routing=mb.routing)
     pl_sum, _, m = grpo.policy_loss(logp, mb.old_logp, mb.adv, mb.loss_mask, eps_low=s.eps_low,
                                     eps_high=s.eps_high, dual_clip=s.dual_clip, weights=mb.weights, agg=s.agg,
                                     max_len=mb.resp_len)
@@ -220,38 +222,39 @@ class Learner:
         return int(update_count(self.opt_state))
 
     # ------------------------------------------------------------------------------------------ recompute
-    def _logprobs_impl(self, params, input_ids, attn_mask, resp_len: int):
+    def _logprobs_impl(self, params, input_ids, attn_mask, resp_len: int, routing=None):
         model = nnx.merge(self.graphdef, params)
         n = input_ids.shape[0]
         k = max(1, n // self.micro)
 
         def one(args):
-            ids, am = args
+            ids, am, rt = args
             logp, ent, _ = batch_logprobs(model, ids, am, resp_len, policy=self.policy,
                                           temperature=self.settings.temperature,
-                                          vocab_chunk=self.settings.vocab_chunk)
+                                          vocab_chunk=self.settings.vocab_chunk, routing=rt)
             return logp, ent
 
-        ids = input_ids.reshape(k, n // k, -1)
-        am = attn_mask.reshape(k, n // k, -1)
-        logp, ent = jax.lax.map(one, (ids, am))
+        ids, am, rt = jax.tree.map(lambda x: x.reshape(k, n // k, *x.shape[1:]), (input_ids, attn_mask, routing))
+        logp, ent = jax.lax.map(one, (ids, am, rt))
         return logp.reshape(n, resp_len), ent.reshape(n, resp_len)
 
-    def logprobs(self, input_ids, attn_mask, resp_len: int, params=None):
-        """Learner log-probs and entropies of the response tokens, in micro-batches, without gradient."""
+    def logprobs(self, input_ids, attn_mask, resp_len: int, params=None, routing=None):
+        """Learner log-probs and entropies of the response tokens, in micro-batches, without gradient; routing
+        (int [N, S, L_moe, k], or None) replays the sampler's MoE expert ids."""
         if input_ids.shape[0] % self.micro and input_ids.shape[0] > self.micro:
             raise ValueError(f"batch {input_ids.shape[0]} is not a multiple of rl.micro_batch={self.micro}")
-        ids, am = self.shard_batch((input_ids, attn_mask))
+        ids, am, rt = self.shard_batch((input_ids, attn_mask, routing))
         with shd.activate(self.mesh, self.rules):  # activation sharding constraints, MoE expert parallelism
-            return self._logprobs(self.params if params is None else params, ids, am, resp_len)
+            return self._logprobs(self.params if params is None else params, ids, am, resp_len, rt)
 
     # ------------------------------------------------------------------------------------------ corrections
-    def prepare(self, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp
+    def prepare(self, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None
                 ) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
-        """The learner's correction and the mismatch diagnostics, in one compiled call (see `prepare`)."""
+        """The learner's correction and the mismatch diagnostics, in one compiled call (see `prepare`); routing
+        (or None) rides along in the batch for the updates to replay."""
         return self._prepare(jnp.asarray(input_ids), jnp.asarray(attn_mask), jnp.asarray(resp_mask),
                              jnp.asarray(adv), jnp.asarray(sampler_logp), jnp.asarray(old_logp),
-                             jnp.asarray(ref_logp))
+                             jnp.asarray(ref_logp), None if routing is None else jnp.asarray(routing))
 
     # ------------------------------------------------------------------------------------------ update
     def _loss_and_grads_impl(self, params, mb_all: RolloutBatch, step):
@@ -345,8 +348,8 @@ class Learner:
             return self._update.lower(self.params, self.opt_state, self.abstract_batch(n, prompt_len, resp_len))
 
 
-def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, *, correction: Correction,
-            triage: TriageConfig) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None, *,
+            correction: Correction, triage: TriageConfig) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
     """Apply `correction` and compute the mismatch diagnostics (segmented as `triage` says).
 
     Returns the batch ready for `Learner.update`, the metrics and delta = old_logp - sampler_logp.
@@ -355,7 +358,7 @@ def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_lo
     out = corr.apply_correction(correction.name, adv=adv, delta=delta, mask=resp_mask, cfg=correction.cfg)
     batch = RolloutBatch(input_ids=input_ids, attn_mask=attn_mask, resp_mask=resp_mask, adv=adv,
                          sampler_logp=sampler_logp, old_logp=old_logp, ref_logp=ref_logp, weights=out.weights,
-                         loss_mask=out.mask.astype(F32))
+                         loss_mask=out.mask.astype(F32), routing=routing)
     # b_amp / b_con use the applied weights; for TRIAGE they are its alpha, which the fast path recomputes.
     tcfg = correction.cfg if correction.name == "triage" else triage
     diag = diagnostics.mismatch_metrics(adv, delta, resp_mask, tcfg,

@@ -161,22 +161,27 @@ def logprob_of(logits_bv: jax.Array, tokens_b: jax.Array, exact: bool = False) -
 
 def response_logprobs(model, prompt_bp: jax.Array, prompt_mask_bp: jax.Array, response_bn: jax.Array,
                       response_mask_bn: jax.Array, *, policy=None, temperature: float = 1.0,
-                      vocab_chunk: int = DEFAULT_VOCAB_CHUNK, return_entropy: bool = False, return_aux: bool = False):
+                      vocab_chunk: int = DEFAULT_VOCAB_CHUNK, return_entropy: bool = False, return_aux: bool = False,
+                      routing_bslk=None):
     """Teacher-forced log-probs [B, N] of responses after LEFT-padded prompts (as the sampler returns them), zero
     off the response mask; with return_entropy also the entropies, with return_aux also the MoE aux loss.
 
     The sequence is prompt ++ response; a response token's RoPE position continues its row's real prompt tokens,
     exactly as the sampler placed it (so in float32 this reproduces the sampler's log-probs). Only the N positions
-    that predict response tokens go through the LM head. Target ids must lie in [0, V).
+    that predict response tokens go through the LM head. Target ids must lie in [0, V). routing_bslk: the MoE
+    expert ids [B, P + N, L_moe, k] the sampler used for prompt ++ response (`SampleOutput.routing`), replayed.
     """
     p = prompt_bp.shape[1]
     seq_bs = jnp.concatenate([prompt_bp, response_bn], axis=1).astype(jnp.int32)
     real_bs = jnp.concatenate([prompt_mask_bp, response_mask_bn], axis=1).astype(bool)
+    routing_bslk = None if routing_bslk is None else jnp.asarray(routing_bslk)
     if policy is not None and policy.exact:
-        h_bnd, aux = _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, response_bn.shape[1], policy)
+        h_bnd, aux = _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, response_bn.shape[1], policy,
+                                          routing_bslk)
     else:
         h_btd, aux = model(seq_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
-                           return_hidden=True, return_aux=True)
+                           return_hidden=True, return_aux=True,
+                           routing_btlk=None if routing_bslk is None else routing_bslk[:, :-1])
         h_bnd = h_btd[:, p - 1:]
     logp_bn, ent_bn = chunked_logprobs(h_bnd, model.lm_head_kernel(), response_bn, policy=policy,
                                        temperature=temperature, vocab_chunk=vocab_chunk, return_entropy=True)
@@ -189,10 +194,10 @@ def response_logprobs(model, prompt_bp: jax.Array, prompt_mask_bp: jax.Array, re
     return out[0] if len(out) == 1 else out
 
 
-def _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, n: int, policy):
+def _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, n: int, policy, routing_bslk=None):
     """Exact mode: the hidden states [B, N, D] that predict the N response tokens, computed with each row's real
     tokens moved to columns 0.. (left padding removed), so every token sits at the slot, and so at the position in
-    every reduction, that the sampler's KV cache gave it."""
+    every reduction, that the sampler's KV cache gave it. Replayed expert ids [B, S, L, k] move with their tokens."""
     s = seq_bs.shape[1]
     plen_b = jnp.sum(prompt_mask_bp, axis=1, dtype=jnp.int32)
     src_bs = jnp.arange(s, dtype=jnp.int32)[None, :] + (prompt_mask_bp.shape[1] - plen_b)[:, None]
@@ -200,7 +205,10 @@ def _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, n: int, policy)
     src_bs = jnp.minimum(src_bs, s - 1)
     ids_bs = jnp.take_along_axis(seq_bs, src_bs, axis=1)
     real_bs = jnp.take_along_axis(real_bs, src_bs, axis=1) & inside_bs
+    if routing_bslk is not None:
+        routing_bslk = jnp.take_along_axis(routing_bslk, src_bs[:, :, None, None], axis=1)
+        routing_bslk = jnp.where(inside_bs[:, :, None, None], routing_bslk, -1)[:, :-1]
     h_btd, aux = model(ids_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
-                       return_hidden=True, return_aux=True)
+                       return_hidden=True, return_aux=True, routing_btlk=routing_bslk)
     at_bn = (plen_b - 1)[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
     return jnp.take_along_axis(h_btd, at_bn[:, :, None], axis=1), aux

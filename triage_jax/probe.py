@@ -8,6 +8,10 @@ The library side of `python -m triage_jax.tools.mismatch`, shared with the studi
     adv, scored = advantages(out.tokens, out.mask, truths, tok, group_size)
     metrics = diagnostics(adv, delta, out.mask)
 
+MoE routing replay (R3): `sample_responses(..., record_routing=True)` returns each token's expert ids
+(`out.routing`); `recompute_logprobs(..., routing=out.routing)` replays them, and `routing_flips` counts the tokens
+whose learner experts (`learner_routing`) differ from the sampler's.
+
 Both sides take per-layer precision rules, (module-path regex, preset) pairs as `quant.policy.parse_rules` returns
 them (`rules=`), ahead of the preset: e.g. (r"^layers\.(3)\.", "bf16") keeps layer 3 in BF16.
 """
@@ -24,13 +28,13 @@ import numpy as np
 from flax import nnx
 
 from triage_jax.data.rewards import score_batch
-from triage_jax.logprobs import response_logprobs
+from triage_jax.logprobs import default_positions, response_logprobs
 from triage_jax.quant import PRESETS, PrecisionPolicy
 from triage_jax.rl import group_advantages, mismatch_metrics
 from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
 
-__all__ = ["HEADLINE", "advantages", "diagnostics", "encode_examples", "random_prompts", "recompute_logprobs",
-           "sample_responses"]
+__all__ = ["HEADLINE", "advantages", "diagnostics", "encode_examples", "learner_routing", "random_prompts",
+           "recompute_logprobs", "routing_flips", "sample_responses"]
 
 # The metrics a report shows first (the rest of rl.mismatch_metrics follow in their own order).
 HEADLINE = ("mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token")
@@ -62,20 +66,23 @@ def sampler_rules(rules) -> tuple:
 
 
 def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: str, seed: int, pad_id: int,
-                     max_cache_len: int | None = None, rules=(), exact: bool = False):
+                     max_cache_len: int | None = None, rules=(), record_routing: bool = False,
+                     exact: bool = False):
     """The sampler side: `prompts` answered under the `sampler` preset (weights quantized once) -> SampleOutput.
     `rules`: per-layer (regex, preset) pairs ahead of the preset (activations token-wise, as the preset's).
+    record_routing: also each token's MoE expert ids (`out.routing`).
     exact: exact mode's batch-invariant numerics (pair it with `recompute_logprobs(..., exact=True)`)."""
     policy = sampler_policy(sampler, kv_cache=kv, rules=sampler_rules(rules), exact=exact)
     return generate(prepare_model(model, policy), prompts, cfg, policy=policy, key=jax.random.key(seed),
-                    pad_id=pad_id, max_cache_len=max_cache_len)
+                    pad_id=pad_id, max_cache_len=max_cache_len, record_routing=record_routing)
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted_logprobs(temperature: float, vocab_chunk: int):
     return jax.jit(
-        lambda gd, st, pol, *a: response_logprobs(nnx.merge(gd, st), *a, policy=pol, temperature=temperature,
-                                                  vocab_chunk=vocab_chunk),
+        lambda gd, st, pol, *a, routing: response_logprobs(nnx.merge(gd, st), *a, policy=pol,
+                                                           temperature=temperature, vocab_chunk=vocab_chunk,
+                                                           routing_bslk=routing),
         static_argnums=(0, 2))
 
 
@@ -87,13 +94,41 @@ def learner_policy(learner: str, rules=(), *, exact: bool = False) -> PrecisionP
 
 
 def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int, rules=(),
-                       exact: bool = False) -> jax.Array:
+                       routing=None, exact: bool = False) -> jax.Array:
     """The learner side: log-probs [N, T] of `out`'s sampled tokens in one teacher-forced pass under the `learner`
-    preset and per-layer `rules` (one compilation per (temperature, vocab_chunk, model structure, policy))."""
+    preset and per-layer `rules` (one compilation per (temperature, vocab_chunk, model structure, policy));
+    routing (`out.routing`, or None) replays the sampler's MoE expert ids."""
     graphdef, state = nnx.split(model)
     return _jitted_logprobs(float(temperature), int(vocab_chunk))(
         graphdef, state, learner_policy(learner, rules, exact=exact), out.prompt_tokens, out.prompt_mask,
-        out.tokens, out.mask)
+        out.tokens, out.mask, routing=routing)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _learner_experts(graphdef, state, policy, seq_bs, real_bs, routing):
+    model = nnx.merge(graphdef, state)
+    _, aux = model(seq_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
+                   return_hidden=True, return_aux=True, routing_btlk=None if routing is None else routing[:, :-1])
+    return aux["experts_btlk"]
+
+
+def learner_routing(model, out, learner: str, *, rules=(), routing=None) -> jax.Array:
+    """The MoE expert ids [N, P + T - 1, L_moe, k] the learner's teacher-forced pass over `out` uses (its own,
+    or `routing` replayed): one position per fed token, laid out like `out.routing[:, :-1]`."""
+    graphdef, state = nnx.split(model)
+    seq_bs = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    real_bs = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
+    return _learner_experts(graphdef, state, PrecisionPolicy.from_spec(learner, rules=tuple(rules)), seq_bs,
+                            real_bs, routing)
+
+
+def routing_flips(learner_bslk, sampler_bslk) -> tuple[int, int]:
+    """(flipped, recorded): of the (token, MoE layer) pairs the sampler recorded (ids >= 0), how many the learner
+    routes to a different set of experts (order within the top-k ignored)."""
+    learner_bslk, sampler_bslk = np.asarray(learner_bslk), np.asarray(sampler_bslk)[:, :learner_bslk.shape[1]]
+    recorded_bsl = np.all(sampler_bslk >= 0, axis=-1)
+    same_bsl = np.all(np.sort(learner_bslk, axis=-1) == np.sort(sampler_bslk, axis=-1), axis=-1)
+    return int(np.sum(recorded_bsl & ~same_bsl)), int(np.sum(recorded_bsl))
 
 
 # ------------------------------------------------------------------------------------------------ measurement

@@ -31,6 +31,9 @@ class Rollout:
     lengths: np.ndarray  # int32 [N] response tokens
     adv: np.ndarray  # float32 [N] group advantages (0 until `with_advantages`, always 0 for fill rows)
     real: np.ndarray  # bool [N]: False for fill rows (no token, no weight)
+    # int8/16/32 [N, P + R, L_moe, k]: the sampler's MoE expert ids of each token (-1: none), for routing replay
+    # (rl.routing_replay); None when not recorded.
+    routing: np.ndarray | None = None
 
     @property
     def num(self) -> int:
@@ -38,22 +41,30 @@ class Rollout:
 
     def take(self, rows) -> "Rollout":
         """The rows `rows` (an index array or a boolean mask), in that order."""
-        return Rollout(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                          for f in dataclasses.fields(self)})
 
     @staticmethod
     def concat(parts: Sequence["Rollout"]) -> "Rollout":
-        return Rollout(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
-                          for f in dataclasses.fields(Rollout)})
+        def cat(name):
+            arrays = [getattr(p, name) for p in parts]
+            return None if any(a is None for a in arrays) else np.concatenate(arrays)
+
+        return Rollout(**{f.name: cat(f.name) for f in dataclasses.fields(Rollout)})
 
     @staticmethod
-    def fill_rows(n: int, prompt_len: int, resp_len: int, pad_id: int) -> "Rollout":
-        """n rows that hold no token: they enter no sum and no denominator."""
+    def fill_rows(n: int, prompt_len: int, resp_len: int, pad_id: int, routing_like: np.ndarray | None = None
+                  ) -> "Rollout":
+        """n rows that hold no token: they enter no sum and no denominator (routing -1, shaped like
+        `routing_like`'s rows, when the other rows carry routing)."""
         s = prompt_len + resp_len
+        routing = (None if routing_like is None
+                   else np.full((n, s, *routing_like.shape[2:]), -1, routing_like.dtype))
         return Rollout(input_ids=np.full((n, s), pad_id, np.int32), attn_mask=np.zeros((n, s), bool),
                        resp_mask=np.zeros((n, resp_len), np.float32),
                        sampler_logp=np.zeros((n, resp_len), np.float32), rewards=np.zeros(n, np.float32),
                        correct=np.zeros(n, bool), lengths=np.zeros(n, np.int32), adv=np.zeros(n, np.float32),
-                       real=np.zeros(n, bool))
+                       real=np.zeros(n, bool), routing=routing)
 
 
 def layout(prompts: Sequence[Sequence[int]], tokens_nr, mask_nr, *, prompt_len: int, pad_id: int):
@@ -98,10 +109,15 @@ def sample_groups(engine: sampler_lib.Engine, examples, *, tok, group_size: int,
     reward_s = time.perf_counter() - t0
     ids, attn = layout(prompts, tokens, mask, prompt_len=prompt_len, pad_id=tok.pad_id)
     n = len(prompts)
+    routing = None
+    if out.routing is not None:  # left-pad the engine's [P_out + R] layout to [prompt_len + R], like the ids
+        got = np.asarray(out.routing)
+        pad = prompt_len - out.prompt_tokens.shape[1]
+        routing = np.concatenate([np.full((n, pad, *got.shape[2:]), -1, got.dtype), got], axis=1)
     return Rollout(input_ids=ids, attn_mask=attn, resp_mask=mask.astype(np.float32),
                    sampler_logp=np.where(mask, logp, 0.0).astype(np.float32), rewards=rewards,
                    correct=np.asarray(scored.accuracy, bool), lengths=lengths, adv=np.zeros(n, np.float32),
-                   real=np.ones(n, bool)), reward_s
+                   real=np.ones(n, bool), routing=routing), reward_s
 
 
 def collect(draw: Callable[[int], Rollout], *, num_prompts: int, group_size: int, dynamic_sampling: bool,
@@ -128,7 +144,8 @@ def collect(draw: Callable[[int], Rollout], *, num_prompts: int, group_size: int
     ro = Rollout.concat(kept).take(np.arange(min(want, sum(k.num for k in kept))))
     n_real = ro.num
     if n_real < want:
-        ro = Rollout.concat([ro, Rollout.fill_rows(want - n_real, prompt_len, resp_len, pad_id)])
+        ro = Rollout.concat([ro, Rollout.fill_rows(want - n_real, prompt_len, resp_len, pad_id,
+                                                   routing_like=drawn[0].routing)])
     adv = np.array(grpo.group_advantages(ro.rewards, group_size, std_normalize=std_normalize), np.float32)
     adv[~ro.real] = 0.0
     ro = dataclasses.replace(ro, adv=adv)

@@ -17,6 +17,11 @@ sampling temperature T, before top-k / top-p truncation (what verl and vLLM repo
 temperature); the learner recomputes the same quantity with `triage_jax.logprobs`. Greedy decoding also reports
 the log-prob at `temperature`.
 
+Routing (MoE, `record_routing=True`): the engine also returns the expert ids every prompt and response token used
+in every MoE layer (the prefill's for the prompt, each decode step's for the token it feeds), stored compactly
+(`models.moe.routing_dtype`), for the learner to replay (R3, `rl.routing_replay`). They are per-token numbers like
+the log-probs, so they do not depend on the slot or the batch either.
+
 The sampler's precision policy is its own: weights are quantized once beforehand (`prepare_model`, i.e.
 `models.prequantize_model`) and activations are quantized token-wise (`act_scaling="row"`, see `sampler_policy`),
 so a token's numerics do not depend on the other tokens of its batch or on prefill versus decode.
@@ -37,6 +42,7 @@ from flax import nnx, struct
 
 from triage_jax.logprobs import lm_head_logits, logprob_of
 from triage_jax.models import kv_cache as kvc
+from triage_jax.models.moe import routing_dtype
 from triage_jax.quant import PrecisionPolicy
 
 MIN_BUCKET = kvc.BLOCK  # the smallest prompt / capacity bucket
@@ -78,6 +84,9 @@ class SampleOutput:
     prompt_mask: jax.Array  # [B, P] bool
     prompt_lengths: jax.Array  # [B] int32
     steps: jax.Array  # int32 scalar: decode steps run (< max_new_tokens when every row stopped early)
+    # [B, P + N, L_moe, k] expert ids of each token of prompt ++ response in each MoE layer, -1 where none was
+    # computed (pads, a response's last token, which is never fed); None unless the engine records routing.
+    routing: jax.Array | None = None
 
 
 def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", **kw) -> PrecisionPolicy:
@@ -170,28 +179,45 @@ class Slots:
     n_gen: jax.Array  # int32 [S]: tokens generated so far
     out_tok: jax.Array  # int32 [S, R]
     out_logp: jax.Array  # float32 [S, R]
+    out_exp: jax.Array | None = None  # [S, R, L_moe, k] expert ids of each fed response token (-1: none); or None
 
 
-def _empty_slots(model_cfg, slots: int, capacity: int, st: _Static, kv_format: str, dtype) -> Slots:
+def _routing_shape(model_cfg) -> tuple[int, int]:
+    """(MoE layers, experts per token): the trailing dimensions of recorded routing."""
+    return sum(map(model_cfg.is_moe_layer, range(model_cfg.num_hidden_layers))), model_cfg.num_experts_per_tok
+
+
+def _empty_slots(model_cfg, slots: int, capacity: int, st: _Static, kv_format: str, dtype,
+                 record_routing: bool = False) -> Slots:
     r = st.max_new_tokens
+    out_exp = (jnp.full((slots, r, *_routing_shape(model_cfg)), -1, routing_dtype(model_cfg.num_experts))
+               if record_routing else None)
     return Slots(cache=kvc.init_kv_cache(model_cfg, slots, capacity, kv_format=kv_format, dtype=dtype),
                  tok=jnp.zeros((slots,), jnp.int32), active=jnp.zeros((slots,), bool),
                  req=jnp.zeros((slots,), jnp.int32), n_gen=jnp.zeros((slots,), jnp.int32),
-                 out_tok=jnp.full((slots, r), st.pad_id, jnp.int32), out_logp=jnp.zeros((slots, r), jnp.float32))
+                 out_tok=jnp.full((slots, r), st.pad_id, jnp.int32), out_logp=jnp.zeros((slots, r), jnp.float32),
+                 out_exp=out_exp)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "capacity", "kv_format"))
-def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *, policy, capacity, kv_format):
-    """Right-padded prompts [PB, Pb] into a fresh cache (the engine's FP8 scales, if set): their KV and the
-    scaled logits after each prompt's last token."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "capacity", "kv_format", "record_routing"))
+def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *, policy, capacity, kv_format,
+             record_routing=False):
+    """Right-padded prompts [PB, Pb] into a fresh cache (the engine's FP8 scales, if set): their KV, the
+    scaled logits after each prompt's last token and, when recording routing, the prompt tokens' expert ids
+    [PB, Pb, L_moe, k] (compact, -1 on pads; else None)."""
     model = nnx.merge(graphdef, state)
     pb = ids_pb.shape[0]
     cache = kvc.init_kv_cache(model.cfg, pb, capacity, kv_format=kv_format, dtype=jnp.dtype(model.cfg.dtype))
     cache = cache.replace(k_scale=k_scale, v_scale=v_scale)
-    h_btd, cache = model(ids_pb, attention_mask_bt=mask_pb, policy=policy, cache=cache, return_hidden=True)
+    h_btd, cache, *aux = model(ids_pb, attention_mask_bt=mask_pb, policy=policy, cache=cache, return_hidden=True,
+                               return_aux=record_routing)
     last_b = jnp.sum(mask_pb, axis=1) - 1
     h_bd = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)[:, 0]
-    return cache, lm_head_logits(h_bd, model.lm_head_kernel(), policy, temperature)
+    experts = None
+    if record_routing:
+        dt = routing_dtype(model.cfg.num_experts)
+        experts = jnp.where(mask_pb[:, :, None, None], aux[0]["experts_btlk"], -1).astype(dt)
+    return cache, lm_head_logits(h_bd, model.lm_head_kernel(), policy, temperature), experts
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("slots",))
@@ -212,6 +238,8 @@ def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key
         lengths=slots.cache.lengths.at[slot_m].set(pre.lengths[row_m], mode="drop"))
     tok_m, logp_m = _draw(logits_pv[row_m], _token_keys(key, req_m, jnp.zeros_like(req_m)), top_p, st)
     alive_m = ~jnp.isin(tok_m, stop_s) & (st.max_new_tokens > 1)
+    if slots.out_exp is not None:
+        slots = slots.replace(out_exp=slots.out_exp.at[slot_m].set(-1, mode="drop"))
     return slots.replace(
         cache=cache, tok=slots.tok.at[slot_m].set(tok_m, mode="drop"),
         active=slots.active.at[slot_m].set(alive_m, mode="drop"), req=slots.req.at[slot_m].set(req_m, mode="drop"),
@@ -236,13 +264,17 @@ def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s
 
     def body(c):
         i, sl = c
-        h_s1d, cache = model(sl.tok[:, None], attention_mask_bt=sl.active[:, None], policy=policy, cache=sl.cache,
-                             return_hidden=True)
+        h_s1d, cache, *aux = model(sl.tok[:, None], attention_mask_bt=sl.active[:, None], policy=policy,
+                                   cache=sl.cache, return_hidden=True, return_aux=sl.out_exp is not None)
         # The head's kernel is taken inside the loop, next to its dot, as the learner's program has it: hoisted out,
         # the tied head's transpose can reach the dot in another layout, and another layout sums in another order.
         scaled_sv = lm_head_logits(h_s1d[:, 0], model.lm_head_kernel(), policy, temperature)
         new_s, logp_s = _draw(scaled_sv, _token_keys(key, sl.req, sl.n_gen), top_p, st)
         idx_s = jnp.where(sl.active, sl.n_gen, st.max_new_tokens)  # inactive rows write nowhere (dropped)
+        if sl.out_exp is not None:  # the fed token is response token n_gen - 1
+            fed_s = jnp.where(sl.active, sl.n_gen - 1, st.max_new_tokens)
+            sl = sl.replace(out_exp=sl.out_exp.at[rows_s, fed_s].set(
+                aux[0]["experts_btlk"][:, 0].astype(sl.out_exp.dtype), mode="drop"))
         n_gen = sl.n_gen + sl.active
         done_s = sl.active & (jnp.isin(new_s, stop_s) | (n_gen >= st.max_new_tokens))
         return i + 1, sl.replace(
@@ -260,7 +292,8 @@ def _resize(slots: Slots, *, capacity: int) -> Slots:
 
 @jax.jit
 def _harvest(slots: Slots, slot_k):
-    return slots.out_tok[slot_k], slots.out_logp[slot_k]
+    exp = None if slots.out_exp is None else slots.out_exp[slot_k]
+    return slots.out_tok[slot_k], slots.out_logp[slot_k], exp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +317,10 @@ class Engine:
     """Continuous batching over `config.max_slots` decode slots; `load` a (prepared) model, then `generate`."""
 
     def __init__(self, cfg: SamplingConfig, config: EngineConfig, *, policy: PrecisionPolicy | None = None,
-                 pad_id: int = 0, model=None, mesh=None, rules=None):
+                 pad_id: int = 0, model=None, mesh=None, rules=None, record_routing: bool = False):
         """mesh: the learner's mesh; the slots split over its batch axes (data x fsdp x expert), every slot
-        computation keeping its per-device shape, so a request's numbers do not depend on the device count."""
+        computation keeping its per-device shape, so a request's numbers do not depend on the device count.
+        record_routing: return each token's MoE expert ids (`SampleOutput.routing`; an MoE model only)."""
         from triage_jax import sharding as shd
 
         self.cfg, self.config = cfg, config
@@ -305,6 +339,7 @@ class Engine:
                              "prefill batch, which the learner cannot reproduce (sampler.kv_cache='bf16')")
         self.st = _static(cfg, pad_id, self.policy.exact)
         self.pad_id = int(pad_id)
+        self.record_routing = bool(record_routing)
         self.rounds = 0  # decode rounds run by the last generate (steps <= rounds * steps_per_round)
         self.capacities: list[int] = []  # the cache capacity of each of those rounds
         self.prefills = 0  # prefill calls of the last generate
@@ -316,6 +351,8 @@ class Engine:
         """Use these weights from now on (the learner -> sampler sync hands the prepared model over)."""
         self.graphdef, self.state = split_model(model)
         self.model_cfg = nnx.merge(self.graphdef, self.state).cfg
+        if self.record_routing and not self.model_cfg.is_moe:
+            raise ValueError("Engine(record_routing=True) needs an MoE model; this one is dense (num_experts=0)")
         if self.config.max_len > self.model_cfg.max_position_embeddings:
             raise ValueError(f"EngineConfig.max_len={self.config.max_len} exceeds the model's "
                              f"max_position_embeddings={self.model_cfg.max_position_embeddings}")
@@ -374,10 +411,12 @@ class Engine:
         kv_format, dtype = self.policy.kv_cache, jnp.dtype(self.model_cfg.dtype)
         lens = np.array([len(p) for p in prompts], np.int32)
         cap = self._capacity(int(lens.max()) + 1)
-        slots = self._place(_empty_slots(self.model_cfg, s, cap, st, kv_format, dtype))
+        slots = self._place(_empty_slots(self.model_cfg, s, cap, st, kv_format, dtype, self.record_routing))
         out_tok = np.full((num, r), self.pad_id, np.int32)
         out_logp = np.zeros((num, r), np.float32)
         out_len = np.zeros(num, np.int32)
+        out_exp = ([None] * num) if self.record_routing else None  # each request's [R, L_moe, k] routing
+        prompt_pre = {}  # prompt -> (its prefill batch, row): where its tokens' routing is
 
         pending = collections.deque(range(len(prompts)))  # prompts not prefilled yet
         waiting: collections.deque = collections.deque()  # (prefill batch, row, prompt, next sample)
@@ -395,6 +434,7 @@ class Engine:
                         batch_prompts = [pending.popleft() for _ in range(min(self.prefill_batch, len(pending)))]
                         pre = self._prefill(prompts, batch_prompts, slots)
                         waiting.extend([pre, row, i, 0] for row, i in enumerate(batch_prompts))
+                        prompt_pre.update((i, (pre, row)) for row, i in enumerate(batch_prompts))
                     entry = waiting[0]
                     pre, row, i, j = entry
                     slot = free.pop(0)
@@ -431,10 +471,12 @@ class Engine:
             for slot in occupied:
                 host_len[slot] = len(prompts[owner[slot] // n]) + n_gen[slot] - 1
             if finished:
-                toks, logps = jax.device_get(_harvest(slots, jnp.asarray(finished, jnp.int32)))
+                toks, logps, exps = jax.device_get(_harvest(slots, jnp.asarray(finished, jnp.int32)))
                 for k, slot in enumerate(finished):
                     req = owner.pop(slot)
                     out_tok[req], out_logp[req], out_len[req] = toks[k], logps[k], n_gen[slot]
+                    if out_exp is not None:
+                        out_exp[req] = exps[k]
                     free.append(slot)
                     done_reqs += 1
                 free.sort()
@@ -446,11 +488,14 @@ class Engine:
         for i, prompt in enumerate(prompts):
             ids[i * n:(i + 1) * n, p - len(prompt):] = prompt
             pmask[i * n:(i + 1) * n, p - len(prompt):] = True
+        routing = None
+        if out_exp is not None:
+            routing = jnp.asarray(_lay_out_routing(prompts, n, prompt_pre, out_exp, mask, p))
         return SampleOutput(tokens=jnp.asarray(np.where(mask, out_tok, self.pad_id)), lengths=jnp.asarray(out_len),
                             logprobs=jnp.asarray(np.where(mask, out_logp, 0.0)), mask=jnp.asarray(mask),
                             prompt_tokens=jnp.asarray(ids), prompt_mask=jnp.asarray(pmask),
                             prompt_lengths=jnp.asarray(np.repeat(lens, n)),
-                            steps=jnp.int32(int(out_len.max())))
+                            steps=jnp.int32(int(out_len.max())), routing=routing)
 
     def _prefill(self, prompts, which, slots: Slots):
         """Prefill prompts `which` (a fixed batch of `prefill_batch` rows, unused ones padding)."""
@@ -466,7 +511,24 @@ class Engine:
         self.prefills += 1
         return _prefill(self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), slots.cache.k_scale,
                         slots.cache.v_scale, temperature, policy=self.policy, capacity=p,
-                        kv_format=self.policy.kv_cache)
+                        kv_format=self.policy.kv_cache, record_routing=self.record_routing)
+
+
+def _lay_out_routing(prompts, n: int, prompt_pre: dict, out_exp: list, mask_nr: np.ndarray, p: int) -> np.ndarray:
+    """SampleOutput.routing [N, P + R, L_moe, k]: each prompt's prefill routing, left-padded like its tokens, then
+    its samples' response routing (-1 past the response)."""
+    exp_r = out_exp[0]
+    num, r = mask_nr.shape
+    routing = np.full((num, p + r, *exp_r.shape[1:]), -1, exp_r.dtype)
+    fetched = {}  # one device -> host copy per prefill batch
+    for i, prompt in enumerate(prompts):
+        pre, row = prompt_pre[i]
+        if id(pre) not in fetched:
+            fetched[id(pre)] = np.asarray(jax.device_get(pre[2]))
+        routing[i * n:(i + 1) * n, p - len(prompt):p] = fetched[id(pre)][row, :len(prompt)]
+    for req in range(num):
+        routing[req, p:] = np.where(mask_nr[req][:, None, None], out_exp[req], -1)
+    return routing
 
 
 def split_model(model_or_split):
@@ -480,15 +542,16 @@ def split_model(model_or_split):
 
 def generate(model_or_split, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
              policy: PrecisionPolicy | None = None, key: jax.Array, pad_id: int, max_cache_len: int | None = None,
-             n: int = 1, max_slots: int | None = None) -> SampleOutput:
+             n: int = 1, max_slots: int | None = None, record_routing: bool = False) -> SampleOutput:
     """`n` samples of each prompt (lists of token ids, any lengths) with the sampler's policy, through an Engine
     (slots default: one per request, at most 256); row i * n + j is sample j of prompt i.
 
     Pass a model prepared with `prepare_model(model, policy)` so that weights are quantized once; raw weights
-    give the same numbers but quantize at every step. The same key gives the same tokens.
+    give the same numbers but quantize at every step. The same key gives the same tokens. record_routing: also
+    return each token's MoE expert ids (`SampleOutput.routing`).
     """
     max_len = max_cache_len or bucket_length(max(len(p) for p in prompts) + cfg.max_new_tokens)
     slots = max_slots or min(len(prompts) * n, 256)
     engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=max_len), policy=policy, pad_id=pad_id,
-                    model=model_or_split)
+                    model=model_or_split, record_routing=record_routing)
     return engine.generate(prompts, key, n=n)

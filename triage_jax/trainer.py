@@ -161,14 +161,16 @@ class Trainer:
         rollout_s = time.perf_counter() - t0 - reward_s
 
         t0 = time.perf_counter()
-        old_logp, entropy = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R)
-        ref_logp = (self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, params=self.ref_params)[0]
+        # With rl.routing_replay the rollout carries the sampler's MoE expert ids: every learner forward replays them.
+        old_logp, entropy = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, routing=ro.routing)
+        ref_logp = (self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, params=self.ref_params,
+                                          routing=ro.routing)[0]
                     if self.ref_params is not None else jnp.zeros_like(old_logp))
         jax.block_until_ready((old_logp, ref_logp))
         t1 = time.perf_counter()
         batch, metrics, delta = self.learner.prepare(
             input_ids=ro.input_ids, attn_mask=ro.attn_mask, resp_mask=ro.resp_mask, adv=ro.adv,
-            sampler_logp=ro.sampler_logp, old_logp=old_logp, ref_logp=ref_logp)
+            sampler_logp=ro.sampler_logp, old_logp=old_logp, ref_logp=ref_logp, routing=ro.routing)
         jax.block_until_ready((batch, metrics))
         correction_s = time.perf_counter() - t1
         upd = []
@@ -179,7 +181,7 @@ class Trainer:
         energy = None
         if c.train.energy_every and self.step % c.train.energy_every == 0:
             # delta_energy_realized (docs/rl_math.md): D after the update minus D before, same tokens.
-            new_logp, _ = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R)
+            new_logp, _ = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, routing=ro.routing)
             delta_after = token_delta(new_logp, batch.sampler_logp, batch.resp_mask)
             energy = float(diagnostics.delta_energy_realized(delta, delta_after, batch.resp_mask))
         learner_s = time.perf_counter() - t0

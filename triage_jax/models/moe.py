@@ -7,6 +7,10 @@ expert group are all-gathered over the `expert` axis, each device runs its local
 chose them (dropless), and the partial outputs are reduce-scattered back to the tokens' owners. The router and its
 statistics stay in global (GSPMD) form, so routing and the aux loss are those of the single-device model.
 
+Routing replay (R3, `rl.routing_replay`): `route` takes the expert ids another forward chose (the sampler's) and
+uses them instead of its own top-k, the gating weights still coming from this forward's router probabilities at those
+experts (renormalized as norm_topk_prob says), so the router keeps its gradient; an id of -1 keeps the own choice.
+
 Row chunking: `ModelConfig.moe_row_chunk` > 0 runs the expert FFN over that many sorted assignment rows at a time
 (`chunked_expert_ffn`). It is a plain int attribute of each MoE module, so it is static: part of the module's
 graph definition and of every jit cache key over the model.
@@ -52,18 +56,32 @@ def load_balancing_loss(stats: list[RouterStats] | tuple[RouterStats, ...], num_
     return jnp.sum((tokens / rows) * (probs / rows)) * num_experts
 
 
-def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool, exact: bool = False):
+def route(logits_te: jax.Array, top_k: int, norm_topk_prob: bool, replay_tk: jax.Array | None = None,
+          exact: bool = False):
     """float32 softmax over experts, top-k, optional renormalization -> (probs_te, weights_tk, experts_tk).
 
+    replay_tk (ids [T, k], -1 = no replay for that entry): route to those experts instead, weighted by this
+    forward's probabilities there (routing replay; gradients reach the router through them).
     exact: the softmax and the renormalization sum as `invariant.tree_sum`s (exact mode)."""
     softmax = invariant.softmax if exact else functools.partial(jax.nn.softmax, axis=-1)
     total = (lambda w: invariant.tree_sum(w, -1)[..., None]) if exact else (
         lambda w: jnp.sum(w, axis=-1, keepdims=True))
     probs_te = softmax(logits_te.astype(F32))
     weights_tk, experts_tk = jax.lax.top_k(probs_te, top_k)
+    if replay_tk is not None:
+        experts_tk = jnp.where(replay_tk >= 0, replay_tk.astype(experts_tk.dtype), experts_tk)
+        weights_tk = jnp.take_along_axis(probs_te, experts_tk, axis=-1)
     if norm_topk_prob:
         weights_tk = weights_tk / total(weights_tk)
     return probs_te, weights_tk, experts_tk
+
+
+def routing_dtype(num_experts: int):
+    """The smallest signed integer type holding expert ids 0..E-1 and the -1 of "not recorded" (compact storage)."""
+    for dt in (jnp.int8, jnp.int16):
+        if num_experts <= jnp.iinfo(dt).max + 1:
+            return dt
+    return jnp.int32
 
 
 def router_stats(probs_te: jax.Array, experts_tk: jax.Array, mask_t: jax.Array) -> RouterStats:
@@ -147,11 +165,18 @@ class MoE(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, policy: PrecisionPolicy | None = None, mask_bt: jax.Array | None = None):
         """Returns (y_btd, RouterStats). Every token is routed (pads too, as in HF); stats skip masked tokens."""
+        return self.routed(x_btd, policy, mask_bt)[:2]
+
+    def routed(self, x_btd: jax.Array, policy: PrecisionPolicy | None = None, mask_bt: jax.Array | None = None,
+               replay_btk: jax.Array | None = None):
+        """(y_btd, RouterStats, experts_btk): the layer and the expert ids it used; replay_btk replays given ids
+        (-1: the layer's own choice) with this layer's gating weights (see `route`)."""
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
         logits_te = self.router(x_td, policy)  # compute dtype, like HF's F.linear
         exact = policy is not None and policy.exact
-        probs_te, weights_tk, experts_tk = route(logits_te, self.top_k, self.norm_topk_prob, exact)
+        replay_tk = None if replay_btk is None else replay_btk.reshape(b * t, self.top_k)
+        probs_te, weights_tk, experts_tk = route(logits_te, self.top_k, self.norm_topk_prob, replay_tk, exact)
         mesh = expert_mesh(self.num_experts)
         if mesh is not None:
             y_td = expert_parallel_combine(x_td, weights_tk, experts_tk, self.experts.weights(), policy,
@@ -160,7 +185,8 @@ class MoE(nnx.Module):
             y_td = combine_experts(x_td, weights_tk, experts_tk, self.experts.weights(), policy, self.experts.paths,
                                    self.num_experts, row_chunk=self.row_chunk).astype(x_btd.dtype)
         mask_t = jnp.ones((b * t,), bool) if mask_bt is None else mask_bt.reshape(-1).astype(bool)
-        return y_td.reshape(b, t, d), router_stats(probs_te, experts_tk, mask_t)
+        return (y_td.reshape(b, t, d), router_stats(probs_te, experts_tk, mask_t),
+                experts_tk.reshape(b, t, self.top_k))
 
 
 def chunked_expert_ffn(x_md, group_sizes_e, weights, policy, paths, rows: int) -> jax.Array:

@@ -44,8 +44,9 @@ class DecoderLayer(nnx.Module):
             self.moe, self.mlp = None, MLP(cfg, layer, rngs=rngs)
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, token_mask_bt, policy=None, *, cache=None,
-                 slot_bt=None):
-        """Pre-norm attention and FFN residual blocks -> (x_btd, RouterStats | None, cache | None)."""
+                 slot_bt=None, replay_btk=None):
+        """Pre-norm attention and FFN residual blocks -> (x_btd, RouterStats | None, experts_btk | None,
+        cache | None); replay_btk: expert ids to replay in the MoE block (models.moe.route)."""
         h_btd = self.input_norm(x_btd, policy)
         if cache is None:
             a_btd = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy)
@@ -54,13 +55,13 @@ class DecoderLayer(nnx.Module):
                                      new_mask_bt=token_mask_bt)
         x_btd = x_btd + a_btd
         h_btd = self.post_attention_norm(x_btd, policy)
-        stats = None
+        stats = experts_btk = None
         if self.moe is not None:
-            f_btd, stats = self.moe(h_btd, policy, token_mask_bt)
+            f_btd, stats, experts_btk = self.moe.routed(h_btd, policy, token_mask_bt, replay_btk)
         else:
             f_btd = self.mlp(h_btd, policy)
         x_btd = constrain(x_btd + f_btd, (BATCH, LENGTH, EMBED))
-        return x_btd, stats, cache
+        return x_btd, stats, experts_btk, cache
 
 
 class Qwen3(nnx.Module):
@@ -113,7 +114,7 @@ class Qwen3(nnx.Module):
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, policy=None, cache=None,
-                 return_hidden=False, return_aux=False):
+                 return_hidden=False, return_aux=False, routing_btlk=None):
         """Logits [B, T, V] float32 (or final-norm hidden states if return_hidden).
 
         No cache: causal self-attention over the T tokens; attention_mask_bt (1 = real) hides pads, and default
@@ -121,7 +122,10 @@ class Qwen3(nnx.Module):
         With a cache (models.kv_cache): row b's T new tokens go to slots cache.lengths[b] + t, its real ones
         (mask 1, before any pad) advance cache.lengths; queries see their row's slots up to their own, and the
         positions are the slots. Returns (out, new_cache).
-        return_aux appends {"moe_aux_loss": unscaled HF load-balancing loss (0 for dense)} to the outputs.
+        return_aux appends {"moe_aux_loss": unscaled HF load-balancing loss (0 for dense)} to the outputs, and for
+        an MoE model "experts_btlk": the int32 expert ids [B, T, L_moe, k] each token used in each MoE layer.
+        routing_btlk (same layout, any int type; -1 = the layer's own choice) replays recorded expert ids: routing
+        replay, with this forward's gating weights at those experts (models.moe.route).
         """
         cfg = self.cfg
         b, t = input_ids_bt.shape
@@ -151,35 +155,45 @@ class Qwen3(nnx.Module):
 
         x_btd = constrain(self.embed(input_ids_bt), (BATCH, LENGTH, EMBED))
         cos_bth, sin_bth = rope_cos_sin(positions_bt, cfg.head_dim, cfg.rope_theta, x_btd.dtype)
-        stats = []
+        stats, experts = [], []
         if cfg.scan_layers:
-            x_btd, st, cache = _scan_layers(self.layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg,
-                                            cache, slot_bt)
+            replay_lbtk = None if routing_btlk is None else jnp.moveaxis(routing_btlk, 2, 0)
+            x_btd, st, ex_lbtk, cache = _scan_layers(self.layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy,
+                                                     cfg, cache, slot_bt, replay_lbtk)
             if st is not None:
                 stats.append(jax.tree.map(lambda a: jnp.sum(a, axis=0), st))  # pooled over layers, as HF does
+                experts = list(ex_lbtk)
         else:
             for layer in self.layers:
+                replay_btk = (routing_btlk[:, :, len(experts)]
+                              if routing_btlk is not None and layer.moe is not None else None)
                 if cache is None and cfg.remat != "none":
-                    x_btd, st = _remat_layer(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg.remat)
+                    x_btd, st, ex = _remat_layer(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy,
+                                                 cfg.remat, replay_btk)
                 else:
-                    x_btd, st, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
-                                             slot_bt=slot_bt)
+                    x_btd, st, ex, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
+                                                 slot_bt=slot_bt, replay_btk=replay_btk)
                 if st is not None:
                     stats.append(st)
+                    experts.append(ex)
         h_btd = self.final_norm(x_btd, policy)
         out = h_btd if return_hidden else self.logits(h_btd, policy)
         outputs = (out,) if cache is None else (out, cache)
         if return_aux:
-            outputs += ({"moe_aux_loss": load_balancing_loss(stats, max(cfg.num_experts, 1))},)
+            aux = {"moe_aux_loss": load_balancing_loss(stats, max(cfg.num_experts, 1))}
+            if experts:
+                aux["experts_btlk"] = jnp.stack(experts, axis=2)
+            outputs += (aux,)
         return outputs[0] if len(outputs) == 1 else outputs
 
 
-def _remat_layer(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, mode):
-    def body(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt):
-        x_btd, st, _ = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy)
-        return x_btd, st
+def _remat_layer(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, mode, replay_btk=None):
+    def body(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, replay_btk):
+        x_btd, st, ex, _ = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, replay_btk=replay_btk)
+        return x_btd, st, ex
 
-    return nnx.remat(body, policy=REMAT_POLICIES[mode])(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt)
+    return nnx.remat(body, policy=REMAT_POLICIES[mode])(layer, x_btd, cos_bth, sin_bth, mask_bts, mask_bt,
+                                                          replay_btk)
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -213,35 +227,43 @@ def check_uniform_policy(policy: PrecisionPolicy | None, num_layers: int) -> Non
                                  f"layers.{i}.{sub} a different one than layers.0.{sub}")
 
 
-def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg, cache, slot_bt):
+def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg, cache, slot_bt, replay_lbtk):
+    """The stacked layers under nnx.scan -> (x_btd, stacked stats, experts_lbtk, cache); replay_lbtk (or None) is
+    scanned with the layers."""
     check_uniform_policy(policy, cfg.num_hidden_layers)
     if cache is None:
-        def body(layer, x_btd):
-            x_btd, st, _ = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy)
-            return x_btd, st
+        def body(layer, x_btd, replay_btk):
+            x_btd, st, ex, _ = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, replay_btk=replay_btk)
+            return x_btd, (st, ex)
 
         if cfg.remat != "none":
             body = nnx.remat(body, policy=REMAT_POLICIES[cfg.remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        def step(x_btd, layer):
-            x_btd, st = body(layer, x_btd)
-            return x_btd, st
+        if replay_lbtk is None:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            def step(x_btd, layer):
+                return body(layer, x_btd, None)
 
-        x_btd, st = step(x_btd, layers)
-        return x_btd, st, None
+            x_btd, (st, ex) = step(x_btd, layers)
+        else:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def step_replay(x_btd, layer, replay_btk):
+                return body(layer, x_btd, replay_btk)
+
+            x_btd, (st, ex) = step_replay(x_btd, layers, replay_lbtk)
+        return x_btd, st, ex, None
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
     def step_cached(x_btd, layer, kv):
         # A one-layer view of the cache (the scanned attention modules all have layer index 0).
         one = cache.replace(k=(kv[0],), v=(kv[1],), k_scale=kv[2][None], v_scale=kv[3][None])
-        x_btd, st, one = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=one, slot_bt=slot_bt)
-        return x_btd, (st, (one.k[0], one.v[0], one.k_scale[0], one.v_scale[0]))
+        x_btd, st, ex, one = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=one, slot_bt=slot_bt)
+        return x_btd, ((st, ex), (one.k[0], one.v[0], one.k_scale[0], one.v_scale[0]))
 
     # Scanning needs the layers stacked (a copy per call: the trainer's sampler runs the layers unrolled).
     xs = (jnp.stack(cache.k), jnp.stack(cache.v), cache.k_scale, cache.v_scale)
-    x_btd, (st, (k, v, ks, vs)) = step_cached(x_btd, layers, xs)
-    return x_btd, st, cache.replace(k=tuple(k), v=tuple(v), k_scale=ks, v_scale=vs)
+    x_btd, ((st, ex), (k, v, ks, vs)) = step_cached(x_btd, layers, xs)
+    return x_btd, st, ex, cache.replace(k=tuple(k), v=tuple(v), k_scale=ks, v_scale=vs)
 
 
 def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:

@@ -2,6 +2,7 @@
 
     python -m triage_jax.tools.mismatch --config=tiny --learner=bf16 --sampler=w4a4 [--kv=fp8] [--num_prompts=128]
         [--rules='last:0.15=bf16'] [--sampler_rules='mlp\.down_proj=w4a8'] [--learner_rules=...] [--exact]
+        [--routing-replay]
 
 --config is a model preset (tiny, tiny_moe, qwen3_4b, ...) or a run config file (configs/tiny.py: its model
 preset and compute dtype). --exact runs both sides in exact mode (docs/numerics.md#exact-mode): with one
@@ -20,6 +21,10 @@ precision rule, repeatable: REGEX=PRESET on module paths ("layers.3.mlp.down_pro
 "lm_head"; see triage_jax/models/qwen3.py), or last:K=PRESET / first:K=PRESET for the last / first K decoder
 layers, K a count or a fraction rounded up (quant.policy.parse_rule). The first matching rule wins, then the
 high-precision defaults (embeddings, LM head, router, norms), then the preset.
+
+MoE models: the sampler records each token's expert ids and the result reports `routing_flips` (the (token, MoE
+layer) pairs, prompt and response, whose learner experts differ from the sampler's) and `routing_flip_frac`;
+--routing-replay makes the learner replay the sampler's ids (R3), so its flips are 0 by construction.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top_k", type=int, default=0)
     p.add_argument("--vocab_chunk", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing-replay", "--routing_replay", dest="routing_replay", action="store_true",
+                   help="MoE: the learner replays the sampler's expert ids (R3)")
     args = p.parse_args(argv)
     for name in ("num_prompts", "group_size", "prompt_len", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -129,6 +136,9 @@ def run(args) -> dict:
              for side in ("sampler", "learner")}
     if any(rules.values()) and model.cfg.scan_layers:
         raise ValueError("--rules: per-layer precision rules need the layers unrolled (model scan_layers=False)")
+    if args.routing_replay and not model.cfg.is_moe:
+        raise ValueError(f"--routing-replay replays MoE expert routing, but {args.checkpoint or args.config!r} is a "
+                         f"dense model (num_experts=0)")
     prompts, truths, tok, pad_id, stop_ids = make_prompts(args, vocab)
     prompts = [p for p in prompts for _ in range(args.group_size)]
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -136,14 +146,22 @@ def run(args) -> dict:
 
     t0 = time.perf_counter()
     out = probe.sample_responses(model, prompts, cfg, sampler=args.sampler, kv=args.kv, seed=args.seed,
-                                 pad_id=pad_id, rules=rules["sampler"], exact=args.exact)
+                                 pad_id=pad_id, rules=rules["sampler"], record_routing=model.cfg.is_moe,
+                                 exact=args.exact)
     out.tokens.block_until_ready()
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
+    replay = out.routing if args.routing_replay else None
     learner_logp = probe.recompute_logprobs(model, out, args.learner, temperature=args.temperature,
-                                            vocab_chunk=args.vocab_chunk, rules=rules["learner"], exact=args.exact)
+                                            vocab_chunk=args.vocab_chunk, rules=rules["learner"], routing=replay,
+                                            exact=args.exact)
     learner_logp.block_until_ready()
     t_learn = time.perf_counter() - t0
+    routing = {}
+    if model.cfg.is_moe:
+        flips, recorded = probe.routing_flips(
+            probe.learner_routing(model, out, args.learner, rules=rules["learner"], routing=replay), out.routing)
+        routing = {"routing_flips": flips, "routing_flip_frac": flips / max(recorded, 1)}
 
     delta = token_delta(learner_logp, out.logprobs, out.mask)
     adv, scored = probe.advantages(out.tokens, out.mask, truths, tok, args.group_size)
@@ -153,7 +171,8 @@ def run(args) -> dict:
     metrics = probe.diagnostics(adv, delta, out.mask)
     return {
         "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
-        "dtype": args.dtype, "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
+        "dtype": args.dtype, "routing_replay": args.routing_replay, **routing,
+        "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
         "learner_rules": [f"{r}={p}" for r, p in rules["learner"]], "exact": args.exact,
         "num_responses": len(prompts), "response_tokens": int(out.mask.sum()),
         "max_abs_delta": float(jnp.max(jnp.abs(delta) * out.mask)),
@@ -178,7 +197,7 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except ValueError as e:
-        if "precision rule" not in str(e) and "--rules" not in str(e):
+        if "precision rule" not in str(e) and "--rules" not in str(e) and "--routing-replay" not in str(e):
             raise
         print(f"mismatch: error: {e}", file=sys.stderr)
         return 2
