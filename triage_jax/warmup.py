@@ -35,6 +35,11 @@ def cache_path(c: ml_collections.ConfigDict, model_cfg) -> str:
         "levels": list(c.data.levels), "num_examples": c.data.num_examples, "warmup": warm,
         "seq_len": c.sampler.max_prompt_len + c.sampler.max_new_tokens, "seed": c.seed, "version": 1,
     }
+    # Keys added after version 1 enter only when set, so the cached warm-ups of older configs keep their names.
+    if c.data.style:
+        key["style"] = c.data.style
+    if c.tokenizer == "bpe":
+        key["bpe"] = c.bpe.to_dict()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return os.path.join(c.warmup.cache_dir, digest)
 
