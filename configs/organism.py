@@ -1,10 +1,15 @@
-"""Model organism: a 6.2M dense model on step-by-step chains (synthetic levels 5 and 6) with a task BPE.
+"""Model organism: a 5.2M dense model on step-by-step chains (synthetic levels 5 and 6) with a task BPE.
 
-Level 5 is long addition written column by column with carries, level 6 a story of 3-5 events worked one per
-line; reference solutions are 62-144 tokens of a 1024-id byte-level BPE trained on the task's corpus (numbers in
-single digits), so TRIAGE's 64-token segments split a response into 1-3 segments as they split the paper's
-long chains. W4A4 NVFP4 sampler, BF16 learner, TRIAGE; the warm-up and RL sizes keep one GRPO step to a few
-seconds on a 2-core CPU (figures in the commit that added this file and in experiments/README.md once measured).
+Level 5 is long addition written column by column with carries, level 6 a story of 3-4 events worked one per
+line; reference solutions are 62-127 tokens (with the stop token) of a 1024-id byte-level BPE trained on the
+task's corpus (numbers in single digits), so TRIAGE's 64-token segments split a response into 1-2 segments.
+W4A4 NVFP4 sampler, BF16 learner, TRIAGE, 32 responses (4 prompts x 8) per step, one update per step.
+
+Measured on the shared 2-core CPU (heavily loaded, load average 4-9): a warm-up of 300 steps at batch 16
+brings the SFT loss from 7.0 to 0.80 nats/token but no held-out problem solved (avg@1 0/64 at T=1); the 800-step
+warm-up set here is not yet measured to completion (experiments/organism_warmup.py measures it and caches the
+result). One GRPO step from a random init (160-token responses, dynamic sampling off) took 31-34 s at load 9
+(rollout 7 s, learner 25 s).
 """
 
 from triage_jax.config import base_config
@@ -19,8 +24,8 @@ def get_config():
     c.data.levels = (5, 6)
     c.data.style = "words"  # level 6 is a story; level 5 reads "Add a and b."
     c.warmup.cache_dir = "runs/warmup_cache_organism"
-    c.warmup.steps = 300
-    c.warmup.batch_size = 32
+    c.warmup.steps = 800
+    c.warmup.batch_size = 16
     c.warmup.lr = 3e-3
     c.sampler.max_prompt_len = 80  # prompts are 17-74 tokens
     c.sampler.max_new_tokens = 160  # reference chains are 62-127 tokens with <|endoftext|>
@@ -28,6 +33,6 @@ def get_config():
     c.rl.group_size = 8
     c.rl.mini_batch = 32
     c.rl.micro_batch = 32
-    c.rl.triage.segment_len = 64  # as in the paper: 1-3 segments per response here
+    c.rl.triage.segment_len = 64  # as in the paper
     c.train.steps = 50
     return c

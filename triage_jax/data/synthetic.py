@@ -163,8 +163,8 @@ _STORY_CAP = 500  # counts stay below this (a double past it is drawn again as a
 
 
 def _story_event(rng: np.random.Generator, x: int, name: str, item: str) -> tuple[str, str, int, str] | None:
-    """One event applied to count x: (sentence, worked step, new count, the operation as an expression suffix
-    or "(e)" template), or None when it does not fit x."""
+    """One event applied to count x: (sentence, worked step, new count, the operation as an expression template
+    in which "e" stands for the expression so far), or None when it does not fit x."""
     kind = _STORY_EVENTS[int(rng.integers(0, len(_STORY_EVENTS)))]
     other = _STORY_NAMES[int(rng.integers(0, len(_STORY_NAMES)))]
     if other == name:
