@@ -17,7 +17,7 @@ def load(name):
     return mod.get_config()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe", "organism"])
 def test_cpu_configs_validate(name):
     validate(load(name))
 
@@ -57,6 +57,14 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("warmup.steps", 0, "warmup.steps"),
         ("warmup.batch_size", 0, "warmup.batch_size"),
         ("rl.max_resample", -1, "rl.max_resample"),
+        ("data.levels", (1, 7), "data.levels"),
+        ("data.levels", (), "data.levels"),
+        ("data.style", "latex", "data.style"),
+        ("monitor.window", 1, "monitor.window"),
+        ("monitor.min_points", 50, "monitor.min_points"),
+        ("monitor.persistence_level1", 0.0, "monitor.persistence_level1"),
+        ("monitor.action", "panic", "monitor.action"),
+        ("monitor.action_level", 3, "monitor.action_level"),
     ],
 )
 def test_bad_values_name_the_key(key, value, match):
@@ -151,3 +159,38 @@ def test_broken_hf_config_json_fails_in_validation(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 12,')
     with pytest.raises(ConfigError, match=r"model\.hf_path: .*config\.json is not valid JSON"):
         validate(c)
+
+
+def test_organism_config_covers_its_chains_and_splits_them_into_64_token_segments(tmp_path):
+    """The response length holds every reference chain (with its stop token), the prompt length every prompt,
+    and TRIAGE's segments are the paper's 64 tokens (1-2 segments per chain)."""
+    from triage_jax import build
+
+    c = load("organism")
+    c.run_dir = str(tmp_path)
+    validate(c)
+    tok, src = build.tokenizer(c), build.source(c)
+    assert 1000 <= tok.vocab_size <= build.model_config(c, tok.vocab_size).vocab_size
+    pairs = [src.sft_pair(i) for i in range(1000)]
+    resp = [len(tok.encode(s)) + 1 for _, s in pairs]
+    assert 60 <= min(resp) and max(resp) <= c.sampler.max_new_tokens <= 256
+    assert max(len(tok.encode_prompt(p)) for p, _ in pairs) <= c.sampler.max_prompt_len
+    assert c.rl.triage.segment_len == 64 and 5e6 <= build.model_config(c, tok.vocab_size).num_params() <= 30e6
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"data.source": "dapo", "data.path": "x.parquet"}, "config.tokenizer: 'bpe' is trained on the synthetic"),
+    ({"bpe.vocab_size": 200}, "config.bpe.vocab_size: must be >= 258"),
+    ({"bpe.corpus_size": 0}, "config.bpe.corpus_size"),
+    ({"model.preset": "tiny"}, r"config.model.vocab_size: the model's vocabulary \(128\) is smaller"),
+    ({"monitor.action": "enable_correction"}, "rl.correction='triage' is already on"),
+    ({"monitor.action": "enable_correction", "rl.correction": "none", "monitor.correction": "none"},
+     "monitor.correction"),
+])
+def test_organism_bad_values_name_the_key(over, match):
+    c = load("organism")
+    for key, value in over.items():
+        sect, name = key.split(".")
+        c[sect][name] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c, check_paths=False)

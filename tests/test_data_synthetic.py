@@ -5,7 +5,8 @@ import re
 import pytest
 
 from triage_jax.data import rewards, templates
-from triage_jax.data.synthetic import LEVELS, SyntheticMathSource, make_problem, solution_text, synthetic_examples
+from triage_jax.data.synthetic import (LEVELS, LONG_LEVELS, SyntheticMathSource, make_problem, solution_text,
+                                      synthetic_examples)
 from triage_jax.data.tokenizers import CharTokenizer
 
 _STEP = re.compile(r"^(\d+)([-+*])(\d+)=(\d+)$")
@@ -84,7 +85,7 @@ def test_short_template_is_compact_and_char_encodable():
 
 def test_bad_arguments_fail_clearly():
     with pytest.raises(ValueError, match="levels"):
-        SyntheticMathSource(5, levels=(5,))
+        SyntheticMathSource(5, levels=(7,))
     with pytest.raises(ValueError, match="unknown prompt template"):
         SyntheticMathSource(5, template="nope")
     with pytest.raises(ValueError, match="style"):
@@ -101,3 +102,69 @@ def test_template_registry():
     assert templates.apply_template("dapo", "P") == templates.DAPO_PREFIX + "\n\nP\n\n" + templates.DAPO_SUFFIX
     with pytest.raises(ValueError, match="known templates"):
         templates.get_template("chatml")
+
+
+def test_short_levels_stream_is_unchanged_by_the_long_levels():
+    """Cached warm-ups and the measured tiny runs depend on the short levels' exact problems."""
+    import hashlib
+
+    src = SyntheticMathSource(400, seed=3)
+    text = "".join(src[i].prompt + src.sft_pair(i)[1] for i in range(400))
+    assert hashlib.sha256(text.encode()).hexdigest()[:16] == "f21d04603aa0de07"
+
+
+_COLUMN = re.compile(r"^(\d)\+(\d)\+([01])=(\d+) write (\d) carry ([01])$")
+
+
+def test_long_addition_columns_carry_correctly_and_end_in_the_sum():
+    src = SyntheticMathSource(300, seed=4, levels=(5,), template="short", style="words")
+    for i in range(len(src)):
+        p = src.problem(i)
+        a, b = p.operands
+        assert src[i].prompt == f"Q: Add {a} and {b}. A:" and p.answer == a + b
+        *columns, last = p.steps
+        if columns[-1].startswith("write "):  # the final carry
+            assert columns.pop() == "write 1"
+        carry, written = 0, []
+        for k, line in enumerate(columns):
+            da, db, c_in, s, u, c_out = (int(g) for g in _COLUMN.match(line).groups())
+            assert (da, db) == ((a // 10**k) % 10, (b // 10**k) % 10) and c_in == carry
+            assert s == da + db + c_in and (u, c_out) == (s % 10, s // 10)
+            carry = c_out
+            written.append(u)
+        assert len(columns) == max(len(str(a)), len(str(b)))
+        assert int("".join(map(str, [carry] * carry + written[::-1]))) == a + b
+        assert last == f"{a}+{b}={a + b}"
+        assert solution_text(p) == "\n".join(p.steps) + f"\nAnswer: {a + b}"
+
+
+_STORY_STEP = re.compile(r"(\d+)([-+*/])(\d+)=(\d+)")
+
+
+def test_story_steps_chain_true_equations_to_the_answer():
+    src = SyntheticMathSource(300, seed=6, levels=(6,), template="short", style="words")
+    for i in range(len(src)):
+        p = src.problem(i)
+        assert 4 <= len(p.steps) <= 5 and p.steps[0].startswith(f"{p.words.split()[0]} starts with ")
+        x = p.operands[0]
+        for line in p.steps[1:]:
+            eqs = _STORY_STEP.findall(line)
+            for a, op, b, r in eqs:
+                assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b),
+                        "/": int(a) // int(b)}[op] == int(r)
+                if op == "/":
+                    assert int(a) % int(b) == 0
+            assert int(eqs[-1][0]) == x  # each line starts from the previous count
+            x = int(eqs[-1][3])
+        assert x == p.answer >= 0 and eval(p.expression) == p.answer  # noqa: S307 - digits and + - * / ( )
+        assert p.words.endswith("have now?")
+
+
+@pytest.mark.parametrize("level", LONG_LEVELS)
+def test_long_reference_solutions_earn_the_dapo_reward(level):
+    src = SyntheticMathSource(100, seed=9, levels=(level,), template="short", style="words")
+    for i in range(len(src)):
+        _, target = src.sft_pair(i)
+        assert target.count("\n") >= 3 and rewards.dapo_reward(target, src[i].ground_truth) == 1.0
+        wrong = target.rsplit("Answer:", 1)[0] + f"Answer: {int(src[i].ground_truth) + 1}"
+        assert rewards.dapo_reward(wrong, src[i].ground_truth) == -1.0

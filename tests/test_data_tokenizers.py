@@ -87,3 +87,45 @@ def test_left_pad():
     assert ids_bt.dtype == np.int32 and left_pad([[1]], 0, length=4)[0].tolist() == [[0, 0, 0, 1]]
     with pytest.raises(ValueError, match="does not fit"):
         left_pad([[1, 2, 3]], 0, length=2)
+
+
+# ----------------------------------------------------------------------------------------------- task BPE
+
+
+def _long_corpus(n=600):
+    src = SyntheticMathSource(n, seed=0, levels=(5, 6), template="short", style="words")
+    return [f"{p}\n{s}" for p, s in (src.sft_pair(i) for i in range(n))]
+
+
+def test_task_bpe_is_deterministic_keeps_digits_single_and_roundtrips():
+    from triage_jax.data.tokenizers import train_bpe
+
+    corpus = _long_corpus()
+    a, b = train_bpe(corpus, 600), train_bpe(list(corpus), 600)
+    assert a.to_str() == b.to_str()  # same texts, same tokenizer.json: every seed of a config shares it
+    assert 300 < a.get_vocab_size() <= 600
+    for text in corpus[:50]:
+        enc = a.encode(text)
+        assert a.decode(enc.ids) == text
+        assert all(not any(ch.isdigit() for ch in t) or len(t) == 1 for t in enc.tokens)  # 12 -> "1", "2"
+    with pytest.raises(ValueError, match="vocab_size must be >= 258"):
+        train_bpe(corpus, 257)
+
+
+def test_build_trains_the_task_bpe_into_the_run_dir(tmp_path):
+    from triage_jax import build
+    from triage_jax.config import base_config
+
+    c = base_config()
+    c.run_dir = str(tmp_path / "run")
+    c.tokenizer, c.data.levels, c.data.style = "bpe", (5, 6), "words"
+    c.bpe.vocab_size, c.bpe.corpus_size = 700, 800
+    tok = build.tokenizer(c)
+    assert tok.vocab_size <= 700 and tok.eos_ids == [tok.pad_id] == [tok.token_to_id(ENDOFTEXT)]
+    saved = load_tokenizer(str(tmp_path / "run" / "tokenizer.json"), chat_template=False, stop_tokens=(ENDOFTEXT,))
+    prompt, solution = build.source(c).sft_pair(3)
+    assert saved.encode(prompt + solution) == tok.encode(prompt + solution)
+    assert tok.encode_prompt(prompt) == tok.encode(prompt)  # plain text: no chat template
+    assert tok.decode(tok.encode(solution) + tok.eos_ids) == solution  # the stop token decodes to nothing
+    with pytest.raises(ValueError, match="build.tokenizer"):
+        load_tokenizer("bpe")

@@ -51,7 +51,8 @@ def test_run_writes_logs_checkpoint_summary(tmp_path):
     assert any(m["learner/policy_loss"] != 0 for m in hist)  # advantages are not all zero
     for m in hist:
         for k in ("reward/mean", "mismatch/mean_abs_delta", "mismatch/rho_asym", "learner/loss",
-                  "learner/repair_loss", "time/rollout", "time/learner", "time/sync", "correction/frac_clipped"):
+                  "learner/repair_loss", "time/rollout", "time/learner", "time/sync", "correction/frac_clipped",
+                  "alarm/rho_asym", "alarm/tail_persistence", "alarm/delta_q05", "alarm/level"):
             assert k in m, k
         assert np.isfinite(m["learner/loss"]) and np.isfinite(m["mismatch/mean_abs_delta"])
         assert m["mismatch/mean_abs_delta"] > 0  # W4A4 sampler vs BF16 learner always disagree a little
@@ -62,6 +63,23 @@ def test_run_writes_logs_checkpoint_summary(tmp_path):
     assert "reward/mean" in s["metrics"]
     assert json.load(open(os.path.join(c.run_dir, "summary.json")))["steps"] == 4
     assert json.load(open(os.path.join(c.run_dir, "config.json")))["rl"]["group_size"] == 4
+
+
+@pytest.mark.slow  # three trainers: ~2 min on the shared 2-core CPU
+def test_monitor_alarm_switches_the_correction_on_and_a_resume_keeps_it(tmp_path):
+    # Thresholds any finite rho_asym crosses: level 2 as soon as the 2-step window holds 2 finite values.
+    c = small_config(tmp_path, **{"rl.correction": "none", "monitor.action": "enable_correction",
+                                  "monitor.correction": "token_tis", "monitor.window": 2, "monitor.min_points": 2,
+                                  "monitor.rho_level1": 1e-9, "monitor.rho_level2": 1e-9, "train.steps": 3})
+    tr = Trainer(c)
+    hist = tr.run()
+    first = next(i for i, m in enumerate(hist) if m["alarm/level"] >= 2)
+    assert first >= 1 and [m["alarm/action_taken"] for m in hist] == [float(i >= first) for i in range(3)]
+    assert tr.learner.correction.name == "token_tis"
+    resumed = Trainer(c)
+    assert resumed.restore() and resumed.learner.correction.name == "token_tis"
+    off = Trainer(small_config(tmp_path / "off", **{"rl.correction": "none", "train.steps": 1}))
+    assert "alarm/action_taken" not in off.run()[0] and off.learner.correction.name == "none"
 
 
 def _tb_events(tb_dir):

@@ -6,6 +6,7 @@ thing everywhere and the library modules (learner, sampler, rl/) only ever see t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -17,16 +18,27 @@ from triage_jax import models
 from triage_jax.config import tokenizer_path
 from triage_jax.data.sources import load_dapo_math
 from triage_jax.data.synthetic import SyntheticMathSource, held_out_source
-from triage_jax.data.tokenizers import load_tokenizer
+from triage_jax.data.tokenizers import load_tokenizer, task_bpe_tokenizer
 from triage_jax.learner import Correction, LossSettings, OptimSettings
 from triage_jax.quant import PrecisionPolicy
 from triage_jax.rl import corrections as corr
+from triage_jax.rl.monitor import MonitorConfig, monitor_config
 from triage_jax.rl.triage import TriageConfig
 from triage_jax.sampler import SamplingConfig, sampler_policy as _sampler_policy
 
 
+BPE_CORPUS_SEED = 0  # the task BPE's corpus is one fixed stream: every seed of a config shares its tokenizer
+
+
 def tokenizer(c: ml_collections.ConfigDict):
-    """The run's tokenizer: characters, a tokenizer.json, or the one beside the HF checkpoint."""
+    """The run's tokenizer: characters, the task BPE (trained here, deterministically, on `bpe.corpus_size`
+    problems + reference solutions of the configured levels, and saved as run_dir/tokenizer.json), a
+    tokenizer.json, or the one beside the HF checkpoint."""
+    if c.tokenizer == "bpe":
+        corpus = SyntheticMathSource(c.bpe.corpus_size, seed=BPE_CORPUS_SEED, levels=tuple(c.data.levels),
+                                     template=c.data.template, style=c.data.style or None)
+        texts = (f"{p}\n{s}" for p, s in (corpus.sft_pair(i) for i in range(len(corpus))))
+        return task_bpe_tokenizer(texts, c.bpe.vocab_size, os.path.join(os.path.abspath(c.run_dir), "tokenizer.json"))
     return load_tokenizer(tokenizer_path(c))
 
 
@@ -34,13 +46,14 @@ def source(c: ml_collections.ConfigDict):
     """The training prompts: the synthetic task (seeded by config.seed) or the DAPO-Math file."""
     if c.data.source == "synthetic":
         return SyntheticMathSource(c.data.num_examples, seed=c.seed, levels=tuple(c.data.levels),
-                                   template=c.data.template)
+                                   template=c.data.template, style=c.data.style or None)
     return load_dapo_math(c.data.path, max_malformed_fraction=c.data.max_bad_fraction).examples
 
 
 def held_out(c: ml_collections.ConfigDict, num_examples: int) -> SyntheticMathSource:
-    """Synthetic problems training never sees (same levels and template as the run's source)."""
-    return held_out_source(num_examples, seed=c.seed, levels=tuple(c.data.levels), template=c.data.template)
+    """Synthetic problems training never sees (same levels, template and style as the run's source)."""
+    return held_out_source(num_examples, seed=c.seed, levels=tuple(c.data.levels), template=c.data.template,
+                           style=c.data.style or None)
 
 
 def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> models.ModelConfig:
@@ -110,6 +123,20 @@ def correction(c: ml_collections.ConfigDict) -> Correction:
     name = c.rl.correction
     settings = c.rl[name].to_dict() if name in c.rl else {}
     return Correction(name, corr.make_config(name, settings))
+
+
+def monitor(c: ml_collections.ConfigDict) -> MonitorConfig | None:
+    """The early-warning monitor's window and thresholds (`monitor.*`), None when monitor.enabled is off."""
+    return monitor_config(c.monitor.to_dict()) if c.monitor.enabled else None
+
+
+def alarm_correction(c: ml_collections.ConfigDict, model_cfg) -> tuple[Correction, LossSettings]:
+    """What monitor.action='enable_correction' switches the learner to: monitor.correction with its rl.<name>
+    settings, and the loss settings that go with it (TRIAGE's repair term when it is TRIAGE)."""
+    name = c.monitor.correction
+    settings = c.rl[name].to_dict() if name in c.rl else {}
+    return (Correction(name, corr.make_config(name, settings)),
+            dataclasses.replace(loss(c, model_cfg), triage=triage(c) if name == "triage" else None))
 
 
 def loss(c: ml_collections.ConfigDict, model_cfg) -> LossSettings:

@@ -15,10 +15,13 @@ import re
 
 import ml_collections
 
+from triage_jax.data.synthetic import ALL_LEVELS, STYLES
+from triage_jax.data.tokenizers import BPE_MIN_VOCAB
 from triage_jax.models.config import PRESETS as MODEL_PRESETS, REMAT_MODES
 from triage_jax.quant import PRESETS
 from triage_jax.rl.corrections import CORRECTIONS
 from triage_jax.rl.grpo import AGGREGATIONS
+from triage_jax.rl.monitor import ACTIONS as MONITOR_ACTIONS, MonitorConfig, monitor_config
 
 # Keys that moved: setting one fails in `validate` with the new name (a tombstone of value None in the schema).
 MOVED_KEYS = {
@@ -64,13 +67,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attn_chunk = 0  # > 0: chunked (flash-style) attention in the learner for sequences longer than this
     c.model.vocab_size = 0  # 0: take it from the tokenizer (tiny presets)
 
-    c.tokenizer = "char"  # "char" or a path to a tokenizer.json
+    c.tokenizer = "char"  # "char", "bpe" (trained on the synthetic task's corpus, see c.bpe) or a tokenizer.json path
+
+    c.bpe = ml_collections.ConfigDict()  # the task BPE of tokenizer="bpe" (saved as run_dir/tokenizer.json)
+    c.bpe.vocab_size = 1024  # at most this many ids (fewer when the corpus runs out of pairs to merge)
+    c.bpe.corpus_size = 4000  # synthetic problems (prompt + reference solution) it is trained on
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"  # "synthetic" or "dapo"
     c.data.path = ""  # DAPO-Math-17k parquet/jsonl when source == "dapo"
     c.data.template = "short"  # "short" or "dapo"
-    c.data.levels = (1,)
+    c.data.style = ""  # synthetic problem text: "words", "symbolic", or "" for the template's default
+    c.data.levels = (1,)  # synthetic levels: 1-4 short answers, 5-6 step-by-step chains (data.synthetic)
     c.data.num_examples = 20000
     c.data.max_bad_fraction = 0.01
 
@@ -129,6 +137,15 @@ def base_config() -> ml_collections.ConfigDict:
     for key in MOVED_KEYS:
         sect, name = key.split(".")
         c[sect][name] = None
+
+    # Early-warning monitor (rl.monitor): alarm/* scalars every step from the mismatch diagnostics, and an action.
+    c.monitor = ml_collections.ConfigDict()
+    c.monitor.enabled = True
+    c.monitor.action = "none"  # "none" or "enable_correction" (switch to monitor.correction at action_level)
+    c.monitor.action_level = 2  # the alarm level (1 or 2) that triggers the action
+    c.monitor.correction = "token_tis"  # the correction an alarm switches on (its settings: rl.<name>)
+    for f in dataclasses.fields(MonitorConfig):
+        c.monitor[f.name] = f.default
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-4
@@ -194,6 +211,12 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     _one_of(c, "model.remat", REMAT_MODES)
     _one_of(c, "data.source", ("synthetic", "dapo"))
     _one_of(c, "data.template", ("short", "dapo"))
+    _one_of(c, "data.style", ("",) + STYLES)
+    levels = tuple(c.data.levels) if isinstance(c.data.levels, (tuple, list)) else (c.data.levels,)
+    if not levels or any(v not in ALL_LEVELS for v in levels):
+        _fail("data.levels", f"{c.data.levels!r} must be a non-empty tuple of synthetic levels from {list(ALL_LEVELS)}")
+    if c.tokenizer == "bpe":
+        _check_bpe(c)
     _one_of(c, "model.dtype", ("float32", "bfloat16"))
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
 
@@ -278,6 +301,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
                  else f"config.model.preset={c.model.preset!r}")
         _fail("rl.routing_replay", f"replays MoE expert routing, but {model} is a dense model (num_experts=0); "
               f"use an MoE model (e.g. configs/tiny_moe.py) or set rl.routing_replay=False")
+    _check_monitor(c)
 
     if check_paths:
         if c.model.preset.startswith("qwen3") and not c.model.hf_path:
@@ -290,7 +314,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             if not os.path.exists(c.data.path):
                 _fail("data.path", f"{c.data.path!r} does not exist (pass --config.data.path=...)")
         tok = tokenizer_path(c)
-        if tok != "char" and not os.path.exists(tok):
+        if tok not in ("char", "bpe") and not os.path.exists(tok):
             _fail("tokenizer", f"{tok!r} does not exist (pass --config.tokenizer=/path/tokenizer.json)")
         if c.model.hf_path:
             _check_hf_config_json(os.path.join(c.model.hf_path, "config.json"))
@@ -310,6 +334,43 @@ def _num_experts(c: ml_collections.ConfigDict) -> int | None:
         return None
 
 
+def _check_monitor(c: ml_collections.ConfigDict) -> None:
+    """The monitor's thresholds build a MonitorConfig; its action and the correction it switches on exist."""
+    m = c.monitor
+    try:
+        monitor_config(m.to_dict())
+    except (ValueError, TypeError) as e:
+        named = [k for k in m if re.search(rf"\b{re.escape(k)}\b", str(e))]
+        _fail("monitor" + (f".{named[0]}" if named else ""), str(e))
+    _one_of(c, "monitor.action", MONITOR_ACTIONS)
+    _one_of(c, "monitor.action_level", (1, 2))
+    if m.action == "enable_correction":
+        _one_of(c, "monitor.correction", [k for k in CORRECTIONS if k != "none"])
+        if not m.enabled:
+            _fail("monitor.action", "'enable_correction' needs monitor.enabled=True")
+        if c.rl.correction != "none":
+            _fail("monitor.action", f"'enable_correction' switches a correction on, but rl.correction="
+                  f"{c.rl.correction!r} is already on (set --config.rl.correction=none)")
+
+
+def _check_bpe(c: ml_collections.ConfigDict) -> None:
+    """tokenizer='bpe': a synthetic corpus to train on, a vocabulary size it can hold, a model that fits it."""
+    if c.data.source != "synthetic":
+        _fail("tokenizer", f"'bpe' is trained on the synthetic task's corpus; data.source={c.data.source!r} needs "
+              "a tokenizer.json (--config.tokenizer=/path/tokenizer.json)")
+    if int(c.bpe.vocab_size) < BPE_MIN_VOCAB:
+        _fail("bpe.vocab_size", f"must be >= {BPE_MIN_VOCAB} (256 bytes, the specials, one merge), "
+              f"got {c.bpe.vocab_size}")
+    if int(c.bpe.corpus_size) < 1:
+        _fail("bpe.corpus_size", f"must be >= 1, got {c.bpe.corpus_size}")
+    if not c.model.hf_path:
+        model_vocab = int(c.model.vocab_size) or (MODEL_PRESETS[c.model.preset].vocab_size
+                                                  if c.model.preset in MODEL_PRESETS else None)
+        if model_vocab is not None and model_vocab < int(c.bpe.vocab_size):
+            _fail("model.vocab_size", f"the model's vocabulary ({model_vocab}) is smaller than "
+                  f"bpe.vocab_size={c.bpe.vocab_size}")
+
+
 def _check_hf_config_json(path: str) -> None:
     """The HF checkpoint's config.json exists and is a JSON object (a broken one names the file here)."""
     import json
@@ -326,7 +387,7 @@ def _check_hf_config_json(path: str) -> None:
 
 
 def tokenizer_path(c: ml_collections.ConfigDict) -> str:
-    """'char', the configured tokenizer.json, or (when empty) the one beside the HF checkpoint."""
+    """'char', 'bpe', the configured tokenizer.json, or (when empty) the one beside the HF checkpoint."""
     if c.tokenizer:
         return c.tokenizer
     if not c.model.hf_path:

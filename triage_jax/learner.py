@@ -203,10 +203,20 @@ class Learner:
         else:
             self.params = jax.device_put(params, self.param_shardings)
             self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(3,))
+        self._compile_correction()
+
+    def _compile_correction(self):
+        """(Re)build the jitted functions that read the correction or the loss settings."""
         self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
         self._loss_and_grads = jax.jit(self._loss_and_grads_impl)
-        self._logprobs = jax.jit(self._logprobs_impl, static_argnums=(3,))
-        self._prepare = jax.jit(functools.partial(prepare, correction=correction, triage=triage))
+        self._prepare = jax.jit(functools.partial(prepare, correction=self.correction, triage=self.triage))
+
+    def set_correction(self, correction: Correction, loss: LossSettings) -> None:
+        """Switch to `correction` (with the loss settings it implies: TRIAGE's repair term) from the next
+        `prepare` / `update` on; parameters and optimizer state are kept. Recompiles on next use."""
+        self.correction, self.settings = correction, loss
+        self._compile_correction()
 
     # ------------------------------------------------------------------------------------------ sharding
     def shard_batch(self, tree):

@@ -29,6 +29,7 @@ from triage_jax.data import pipeline
 from triage_jax.data.synthetic import SyntheticMathSource
 from triage_jax.learner import nonfinite_count
 from triage_jax.rl import diagnostics
+from triage_jax.rl import monitor as monitor_lib
 from triage_jax.rl.delta import token_delta
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class Trainer:
         self.ckpt = build.checkpointer(c)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.monitor_cfg = build.monitor(c)
+        self.monitor_state = monitor_lib.MonitorState()
+        self.alarm_switched = False  # monitor.action='enable_correction' has switched the correction on
         self._sync()
         self._startup_check()
 
@@ -262,9 +266,40 @@ class Trainer:
         self.loader.set_state(meta["data"])
         self.step = int(meta["step"])
         self.history = list(meta.get("history", []))
+        self._replay_monitor()
         self._sync()
         log.info("resumed from step %d", self.step)
         return True
+
+    # ---------------------------------------------------------------------------------------------- monitor
+    def _watch(self, m: dict[str, float]) -> None:
+        """Feed this step's metrics to the early-warning monitor: add its alarm/* levels to `m` and take the
+        configured action once an alarm reaches monitor.action_level."""
+        if self.monitor_cfg is None:
+            return
+        self.monitor_state, alarms = monitor_lib.update(self.monitor_state, m, self.monitor_cfg)
+        m.update(alarms)
+        c = self.cfg.monitor
+        if c.action == "enable_correction" and not self.alarm_switched and alarms["alarm/level"] >= c.action_level:
+            self._switch_correction()
+            log.warning("step %d: alarm level %d (%s): switching the correction on: %s", self.step,
+                        int(alarms["alarm/level"]),
+                        ", ".join(k for k in monitor_lib.ALARMS if alarms[f"alarm/{k}"] >= c.action_level),
+                        c.correction)
+        if c.action != "none":
+            m["alarm/action_taken"] = float(self.alarm_switched)
+
+    def _switch_correction(self) -> None:
+        self.learner.set_correction(*build.alarm_correction(self.cfg, self.model_cfg))
+        self.alarm_switched = True
+
+    def _replay_monitor(self) -> None:
+        """Rebuild the monitor's window from the restored history (and its action, if one had been taken)."""
+        if self.monitor_cfg is None:
+            return
+        self.monitor_state, _ = monitor_lib.replay(self.history, self.monitor_cfg)
+        if self.history and self.history[-1].get("alarm/action_taken", 0.0) and not self.alarm_switched:
+            self._switch_correction()
 
     # ---------------------------------------------------------------------------------------------- loop
     def _on_sigterm(self, signum, frame):
@@ -309,6 +344,7 @@ class Trainer:
                     raise
                 m = dict(res.metrics)
                 m["step"] = self.step
+                self._watch(m)
                 self.history.append(m)
                 self.step += 1
                 self._log(writer, m, res.delta)

@@ -35,6 +35,11 @@ def cache_path(c: ml_collections.ConfigDict, model_cfg) -> str:
         "levels": list(c.data.levels), "num_examples": c.data.num_examples, "warmup": warm,
         "seq_len": c.sampler.max_prompt_len + c.sampler.max_new_tokens, "seed": c.seed, "version": 1,
     }
+    # Keys added after version 1 enter only when set, so the cached warm-ups of older configs keep their names.
+    if c.data.style:
+        key["style"] = c.data.style
+    if c.tokenizer == "bpe":
+        key["bpe"] = c.bpe.to_dict()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return os.path.join(c.warmup.cache_dir, digest)
 
@@ -64,8 +69,10 @@ def sft_seq_len(source: SyntheticMathSource, tok, limit: int, sample: int = 2048
 
 
 def train_sft(model: nnx.Module, source: SyntheticMathSource, tok, *, steps: int, batch_size: int, lr: float,
-              seq_len: int, seed: int, progress: bool = False) -> list[float]:
-    """Cross-entropy on reference solutions (in place on `model`); returns the loss curve."""
+              seq_len: int, seed: int, progress: bool = False, on_step=None) -> list[float]:
+    """Cross-entropy on reference solutions (in place on `model`); returns the loss curve. `on_step(k, model_at)`
+    is called after update k with a function giving the model at that point (warm-up curves, without changing
+    the schedule or the batches)."""
     graphdef, params = nnx.split(model, nnx.Param)
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), max(steps, 2), lr * 0.05)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
@@ -95,13 +102,16 @@ def train_sft(model: nnx.Module, source: SyntheticMathSource, tok, *, steps: int
         losses.append(float(loss))
         if not np.isfinite(losses[-1]):
             raise FloatingPointError(f"warm-up loss became {losses[-1]} at step {len(losses)}")
+        if on_step is not None:
+            on_step(len(losses), lambda p=params: nnx.merge(graphdef, p))
     nnx.update(model, params)
     return losses
 
 
 def warm_start(c: ml_collections.ConfigDict, model_cfg, tok, source: SyntheticMathSource, *,
-               progress: bool = False) -> nnx.Module:
-    """The cached warmed-up model for these settings, training (and caching) it first when absent."""
+               progress: bool = False, on_step=None) -> nnx.Module:
+    """The cached warmed-up model for these settings, training (and caching) it first when absent (`on_step`:
+    see train_sft)."""
     path = cache_path(c, model_cfg)
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("warm-up: reusing %s", path)
@@ -109,7 +119,7 @@ def warm_start(c: ml_collections.ConfigDict, model_cfg, tok, source: SyntheticMa
     model = models.Qwen3(model_cfg, rngs=nnx.Rngs(c.seed))
     seq_len = sft_seq_len(source, tok, c.sampler.max_prompt_len + c.sampler.max_new_tokens)
     losses = train_sft(model, source, tok, steps=c.warmup.steps, batch_size=c.warmup.batch_size, lr=c.warmup.lr,
-                       seq_len=seq_len, seed=c.seed, progress=progress)
+                       seq_len=seq_len, seed=c.seed, progress=progress, on_step=on_step)
     log.info("warm-up: SFT loss %.3f -> %.3f over %d steps", losses[0], losses[-1], len(losses))
     # Write beside, then rename: a crash never leaves a half-written cache entry that looks complete.
     tmp = f"{path}.tmp{os.getpid()}"

@@ -1,5 +1,6 @@
-"""Tokenizers behind one small interface: a built-in character tokenizer for the tiny configs, and HF
-`tokenizer.json` files (Qwen3) through the `tokenizers` library with the Qwen3 chat template for prompts.
+"""Tokenizers behind one small interface: a built-in character tokenizer for the tiny configs, HF
+`tokenizer.json` files (Qwen3) through the `tokenizers` library with the Qwen3 chat template for prompts, and a
+byte-level BPE trained on a task's own corpus (`train_bpe`, the model organism's tokenizer).
 
 Interface: encode(str) -> list[int]; decode(ids) -> str; encode_prompt(user_text) -> list[int] (chat template
 applied where the tokenizer has one); vocab_size; pad_id; eos_ids (every stop id); bos_id (or None).
@@ -138,8 +139,46 @@ class HFTokenizer:
         return self._tok.token_to_id(token)
 
 
+# ----------------------------------------------------------------------------------------------- task BPE
+
+BPE_SPECIALS = (ENDOFTEXT,)  # pad and stop, as in Qwen3; no chat template (the task's prompts are plain text)
+BPE_MIN_VOCAB = 256 + len(BPE_SPECIALS) + 1  # the byte alphabet, the specials and at least one merge
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE (`tokenizers.Tokenizer`) of at most `vocab_size` ids trained on `texts`. Numbers split
+    into single digits first, as Qwen3's pre-tokenizer does, so arithmetic stays digit by digit. Deterministic:
+    the same texts give the same tokenizer.json (ties between equally frequent pairs break by the pair itself)."""
+    from tokenizers import Tokenizer as _HFTok, decoders, models, pre_tokenizers, trainers
+
+    if not BPE_MIN_VOCAB <= int(vocab_size):
+        raise ValueError(f"BPE vocab_size must be >= {BPE_MIN_VOCAB} (256 bytes, the specials {list(BPE_SPECIALS)} "
+                         f"and one merge), got {vocab_size}")
+    tok = _HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), special_tokens=list(BPE_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer)
+    return tok
+
+
+def task_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) -> HFTokenizer:
+    """`train_bpe` on `texts`, saved as `path` (a tokenizer.json, written beside and renamed) and loaded as an
+    HFTokenizer without chat template that pads and stops with <|endoftext|>."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    train_bpe(texts, vocab_size).save(tmp)
+    os.replace(tmp, path)
+    return HFTokenizer(path, chat_template=False, stop_tokens=BPE_SPECIALS)
+
+
 def load_tokenizer(spec: str, **kwargs) -> Tokenizer:
     """A tokenizer from its config string: "char", or a path to tokenizer.json (or the folder holding it)."""
+    if spec == "bpe":
+        raise ValueError("tokenizer 'bpe' is trained on the task's corpus: build it with build.tokenizer(config)")
     if spec == "char":
         if kwargs:
             raise ValueError(f"the char tokenizer takes no options, got {sorted(kwargs)}")

@@ -266,6 +266,8 @@ PRESETS: dict[str, ModelConfig] = {
     # CPU-friendly: ~3.2M (tiny) and ~8.6M (tiny_moe) parameters; vocab 128 fits the character tokenizer.
     "tiny": ModelConfig(),
     "tiny_moe": ModelConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
+    # ~5.2M parameters for the model organism's long chains (configs/organism.py): vocab 1024 for its task BPE.
+    "organism": ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=5),
     # Real HF values (Qwen/Qwen3-*/config.json).
     "qwen3_0_6b": ModelConfig(
         **_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,

@@ -1,0 +1,173 @@
+"""Early-warning monitor: graded alarms from each step's mismatch diagnostics (docs/rl_math.md#diagnostics).
+
+The paper's precursors of an NVFP4 collapse, watched over a sliding window of the last `window` steps:
+
+- `rho_asym`: the A-d- mass outgrowing the A+d+ mass. Level 1: window mean above `rho_level1` while rising (the
+  least-squares rise across the window above `rho_rise`); level 2: window mean above `rho_level2`.
+- `tail_persistence` (1 = chance): tail-dense segments followed by tail-dense segments k x more often than
+  chance. Level 1: window mean above `persistence_level1`; level 2: above `persistence_level2`.
+- `delta_q05`: the lower tail of delta falling below its early-run level (the median of the first `window`
+  finite values). Level 1: the window mean fell by `q05_level1` x max(|baseline|, `q05_floor`) and is still
+  falling; level 2: fell by `q05_level2` x that.
+
+A window raises nothing until it holds `min_points` finite values, so NaN steps (an exact-mode run has no
+A+d+ mass and no tail) never alarm. The core is pure: `update(state, metrics, cfg) -> (state, alarms)`;
+`replay` runs it over a logged history and `first_alarms` returns the first step of each alarm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+ALARMS = ("rho_asym", "tail_persistence", "delta_q05")
+METRIC_PREFIX = "mismatch/"  # the trainer logs the diagnostics under this prefix
+ACTIONS = ("none", "enable_correction")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    """Window and thresholds (`config.monitor.*` without `enabled` / `action` / `correction` / `action_level`)."""
+
+    window: int = 10
+    min_points: int = 5
+    rho_level1: float = 1.2
+    rho_level2: float = 1.5
+    rho_rise: float = 0.05
+    persistence_level1: float = 2.0
+    persistence_level2: float = 3.0
+    q05_level1: float = 1.0
+    q05_level2: float = 3.0
+    q05_floor: float = 0.01
+
+    def __post_init__(self):
+        if not (isinstance(self.window, int) and self.window >= 2):
+            raise ValueError(f"window must be an int >= 2, got {self.window!r}")
+        if not (isinstance(self.min_points, int) and 2 <= self.min_points <= self.window):
+            raise ValueError(f"min_points must be an int in [2, window={self.window}], got {self.min_points!r}")
+        for low, high in (("rho_level1", "rho_level2"), ("persistence_level1", "persistence_level2"),
+                          ("q05_level1", "q05_level2")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+                raise ValueError(f"{low}={lo} and {high}={hi} must be finite with 0 < {low} <= {high}")
+        for name in ("rho_rise", "q05_floor"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+
+
+def monitor_config(settings: Mapping) -> MonitorConfig:
+    """A MonitorConfig from `config.monitor` (its run keys enabled / action / action_level / correction set
+    aside); a missing key takes its default, a wrong one raises naming it."""
+    run_keys = {"enabled", "action", "action_level", "correction"}
+    return MonitorConfig(**{k: v for k, v in settings.items() if k not in run_keys})
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorState:
+    """The last `window` steps' watched values (step, rho_asym, tail_persistence, delta_q05), the early
+    delta_q05 values that make its baseline, and the number of steps seen."""
+
+    recent: tuple[tuple[float, float, float, float], ...] = ()
+    q05_early: tuple[float, ...] = ()
+    count: int = 0
+
+
+def watched(metrics: Mapping[str, float], name: str) -> float:
+    """`mismatch/<name>` (the trainer's key) or `<name>` from a step's metrics; NaN when absent."""
+    v = metrics.get(METRIC_PREFIX + name, metrics.get(name, float("nan")))
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _finite(steps: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keep = np.isfinite(ys)
+    return steps[keep], ys[keep]
+
+
+def _rise(steps: np.ndarray, ys: np.ndarray, window: int) -> float:
+    """Least-squares slope of ys over steps, times the window's span: the fitted change across the window."""
+    x = steps - steps.mean()
+    denom = float(np.sum(x * x))
+    return float(np.sum(x * (ys - ys.mean())) / denom) * (window - 1) if denom > 0 else 0.0
+
+
+def _levels(state: MonitorState, cfg: MonitorConfig) -> dict[str, int]:
+    rows = np.asarray(state.recent, dtype=np.float64).reshape(-1, 4)
+    steps = rows[:, 0]
+    out = dict.fromkeys(ALARMS, 0)
+
+    s, rho = _finite(steps, rows[:, 1])
+    if rho.size >= cfg.min_points:
+        mean = float(rho.mean())
+        if mean > cfg.rho_level2:
+            out["rho_asym"] = 2
+        elif mean > cfg.rho_level1 and _rise(s, rho, cfg.window) > cfg.rho_rise:
+            out["rho_asym"] = 1
+
+    _, pers = _finite(steps, rows[:, 2])
+    if pers.size >= cfg.min_points:
+        mean = float(pers.mean())
+        out["tail_persistence"] = 2 if mean > cfg.persistence_level2 else int(mean > cfg.persistence_level1)
+
+    s, q05 = _finite(steps, rows[:, 3])
+    if q05.size >= cfg.min_points and len(state.q05_early) >= cfg.window:
+        baseline = float(np.median(state.q05_early))
+        fall = baseline - float(q05.mean())
+        scale = max(abs(baseline), cfg.q05_floor)
+        if fall > cfg.q05_level2 * scale:
+            out["delta_q05"] = 2
+        elif fall > cfg.q05_level1 * scale and _rise(s, q05, cfg.window) < 0:
+            out["delta_q05"] = 1
+    return out
+
+
+def update(state: MonitorState, metrics: Mapping[str, float], cfg: MonitorConfig,
+           step: int | None = None) -> tuple[MonitorState, dict[str, float]]:
+    """Add one step's diagnostics (`step`, else metrics["step"], else the count of steps seen); returns the new
+    state and the alarms {"alarm/<name>": level 0/1/2 for each of ALARMS, "alarm/level": their max}."""
+    if step is None:
+        step = metrics.get("step", state.count)
+    values = tuple(watched(metrics, name) for name in ALARMS)
+    recent = (state.recent + ((float(step),) + values,))[-cfg.window:]
+    q05 = values[2]
+    early = state.q05_early
+    if len(early) < cfg.window and math.isfinite(q05):
+        early = early + (q05,)
+    new = MonitorState(recent=recent, q05_early=early, count=state.count + 1)
+    levels = _levels(new, cfg)
+    alarms = {f"alarm/{k}": float(v) for k, v in levels.items()}
+    alarms["alarm/level"] = float(max(levels.values()))
+    return new, alarms
+
+
+def replay(history: Sequence[Mapping[str, float]], cfg: MonitorConfig,
+           state: MonitorState = MonitorState()) -> tuple[MonitorState, list[dict[str, float]]]:
+    """`update` over a logged history (the trainer's per-step dicts, summary or TensorBoard rows): the final
+    state and each step's alarms."""
+    out = []
+    for metrics in history:
+        state, alarms = update(state, metrics, cfg)
+        out.append(alarms)
+    return state, out
+
+
+def first_alarms(history: Sequence[Mapping[str, float]], cfg: MonitorConfig, level: int = 1) -> dict[str, int | None]:
+    """The first step at which each alarm (and "any" of them) reached `level`, or None when it never did."""
+    if level not in (1, 2):
+        raise ValueError(f"alarm level must be 1 or 2, got {level}")
+    first: dict[str, int | None] = dict.fromkeys(ALARMS + ("any",))
+    state = MonitorState()
+    for i, metrics in enumerate(history):
+        state, alarms = update(state, metrics, cfg)
+        step = int(metrics.get("step", i))
+        for name in ALARMS:
+            if first[name] is None and alarms[f"alarm/{name}"] >= level:
+                first[name] = step
+        if first["any"] is None and alarms["alarm/level"] >= level:
+            first["any"] = step
+    return first
