@@ -115,9 +115,3 @@ def test_exact_config_needs_matching_sides(key, value, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         validate(c, check_paths=False)
     assert "learner.exact" in str(e.value)
-
-
-def test_exact_engine_rejects_an_fp8_cache():
-    with pytest.raises(ValueError, match="KV cache in the compute dtype"):
-        Engine(SamplingConfig(max_new_tokens=4), EngineConfig(max_slots=2, max_len=64),
-               policy=sampler_policy("bf16", kv_cache="fp8", exact=True))

@@ -68,3 +68,50 @@ def test_bad_rule_is_a_clear_error(capsys):
     assert "precision rule 'last:9=bf16'" in capsys.readouterr().err
     assert mismatch.main(["--config=tiny", "--learner_rules=attn=w3a3"]) == 2
     assert "unknown preset 'w3a3'" in capsys.readouterr().err
+
+
+def test_exact_flag_gives_zero_delta_from_a_config_file(capsys):
+    r = _run(capsys, "--config=configs/tiny.py", "--learner=w4a4", "--sampler=w4a4", "--exact", "--prompts=random",
+             "--prompt_len=10")
+    assert r["exact"] and r["max_abs_delta"] == 0.0 and r["mean_abs_delta"] == 0.0 and r["response_tokens"] > 0
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 14): with the synthetic template's ~350-token prompts exact "
+                   "mode still differs in the last bits (<= 1e-6) on some tokens")
+def test_exact_flag_with_long_synthetic_prompts(capsys):
+    r = _run(capsys, "--config=configs/tiny.py", "--learner=w4a4", "--sampler=w4a4", "--exact")
+    assert r["max_abs_delta"] == 0.0
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--learner=bf16", "--sampler=w4a4"], "one precision"),
+    (["--learner=w4a4", "--sampler=w4a4", "--kv=fp8"], "--kv=bf16"),
+    (["--learner=w4a4", "--sampler=w4a4", "--sampler_rules=lm_head=bf16"], "same per-layer rules"),
+])
+def test_exact_flag_rejects_sides_that_differ(capsys, flags, needle):
+    with pytest.raises(SystemExit):
+        mismatch.main(["--config=tiny", "--exact", *flags])
+    assert needle in capsys.readouterr().err
+
+
+def test_decomposition_starts_exact_and_adds_one_source_per_step():
+    from triage_jax import probe
+
+    steps = probe.decomposition("w4a4")
+    assert steps[0].sampler == steps[0].learner == "bf16" and steps[0].sampler_exact and steps[0].learner_exact
+    both = [s for s in steps if s.sampler == s.learner == "w4a4"]
+    assert both[0].sampler_exact and both[0].learner_exact and both[0].kv == "bf16"  # the second zero row
+    assert (steps[-1].sampler_exact, steps[-1].learner_exact, steps[-1].learner_act_scaling) == (False, False,
+                                                                                                 "tensor")
+    with pytest.raises(ValueError, match="not a quantized preset"):
+        probe.decomposition("bf16")
+
+
+@pytest.mark.slow
+def test_decompose_table_rows(capsys):
+    assert mismatch.main(["--config=tiny", "--num_prompts=2", "--group_size=2", "--max_new_tokens=8",
+                          "--sampler=w4a4", "--decompose"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decomposition"]}
+    assert rows["exact bf16/bf16"]["max_abs_delta"] == 0.0 and rows["w4a4 on both sides"]["max_abs_delta"] == 0.0
+    assert rows["+ sampler activations nvfp4"]["mean_abs_delta"] > rows["+ sampler weights nvfp4"]["mean_abs_delta"]
+    assert rows["+ learner act scales per tensor"]["mean_abs_delta"] > 0

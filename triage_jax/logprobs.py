@@ -176,7 +176,7 @@ def response_logprobs(model, prompt_bp: jax.Array, prompt_mask_bp: jax.Array, re
     real_bs = jnp.concatenate([prompt_mask_bp, response_mask_bn], axis=1).astype(bool)
     routing_bslk = None if routing_bslk is None else jnp.asarray(routing_bslk)
     if policy is not None and policy.exact:
-        h_bnd, aux = _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, response_bn.shape[1], policy,
+        h_bnd, aux = slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, response_bn.shape[1], policy,
                                           routing_bslk)
     else:
         h_btd, aux = model(seq_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
@@ -194,7 +194,7 @@ def response_logprobs(model, prompt_bp: jax.Array, prompt_mask_bp: jax.Array, re
     return out[0] if len(out) == 1 else out
 
 
-def _slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, n: int, policy, routing_bslk=None):
+def slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, n: int, policy, routing_bslk=None):
     """Exact mode: the hidden states [B, N, D] that predict the N response tokens, computed with each row's real
     tokens moved to columns 0.. (left padding removed), so every token sits at the slot, and so at the position in
     every reduction, that the sampler's KV cache gave it. Replayed expert ids [B, S, L, k] move with their tokens."""

@@ -28,12 +28,12 @@ import numpy as np
 from flax import nnx
 
 from triage_jax.data.rewards import score_batch
-from triage_jax.logprobs import default_positions, response_logprobs
-from triage_jax.quant import PRESETS, PrecisionPolicy
+from triage_jax.logprobs import default_positions, response_logprobs, slot_aligned_hidden
+from triage_jax.quant import PRESETS, LayerPrecision, PrecisionPolicy
 from triage_jax.rl import group_advantages, mismatch_metrics
 from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
 
-__all__ = ["HEADLINE", "advantages", "diagnostics", "encode_examples", "learner_routing", "random_prompts",
+__all__ = ["HEADLINE", "Step", "advantages", "decomposition", "diagnostics", "encode_examples", "learner_routing", "random_prompts",
            "recompute_logprobs", "routing_flips", "sample_responses"]
 
 # The metrics a report shows first (the rest of rl.mismatch_metrics follow in their own order).
@@ -86,40 +86,51 @@ def _jitted_logprobs(temperature: float, vocab_chunk: int):
         static_argnums=(0, 2))
 
 
-def learner_policy(learner: str, rules=(), *, exact: bool = False) -> PrecisionPolicy:
-    """The learner side's policy; exact mode takes the sampler's token-wise activation scales and rules."""
+def learner_policy(learner, rules=(), *, exact: bool = False, act_scaling: str | None = None) -> PrecisionPolicy:
+    """The learner side's policy; exact mode takes the sampler's token-wise activation scales and rules (unless
+    `act_scaling` says otherwise: the decomposition's scaling-granularity step)."""
     if exact:
-        return PrecisionPolicy.from_spec(learner, act_scaling="row", rules=sampler_rules(rules), exact=True)
-    return PrecisionPolicy.from_spec(learner, rules=tuple(rules))
+        rules = sampler_rules(rules) if act_scaling in (None, "row") else tuple(rules)
+        return PrecisionPolicy.from_spec(learner, act_scaling=act_scaling or "row", rules=rules, exact=True)
+    return PrecisionPolicy.from_spec(learner, act_scaling=act_scaling, rules=tuple(rules))
 
 
-def recompute_logprobs(model, out, learner: str, *, temperature: float, vocab_chunk: int, rules=(),
-                       routing=None, exact: bool = False) -> jax.Array:
+def recompute_logprobs(model, out, learner, *, temperature: float, vocab_chunk: int, rules=(),
+                       routing=None, exact: bool = False, act_scaling: str | None = None) -> jax.Array:
     """The learner side: log-probs [N, T] of `out`'s sampled tokens in one teacher-forced pass under the `learner`
     preset and per-layer `rules` (one compilation per (temperature, vocab_chunk, model structure, policy));
     routing (`out.routing`, or None) replays the sampler's MoE expert ids."""
     graphdef, state = nnx.split(model)
     return _jitted_logprobs(float(temperature), int(vocab_chunk))(
-        graphdef, state, learner_policy(learner, rules, exact=exact), out.prompt_tokens, out.prompt_mask,
+        graphdef, state, learner_policy(learner, rules, exact=exact, act_scaling=act_scaling), out.prompt_tokens,
+        out.prompt_mask,
         out.tokens, out.mask, routing=routing)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _learner_experts(graphdef, state, policy, seq_bs, real_bs, routing):
+def _learner_experts(graphdef, state, policy, seq_bs, real_bs, prompt_mask_bp, routing):
     model = nnx.merge(graphdef, state)
+    if policy.exact:  # the recompute's slot-aligned layout, mapped back to the left-padded columns
+        n = seq_bs.shape[1] - prompt_mask_bp.shape[1]
+        _, aux = slot_aligned_hidden(model, seq_bs, real_bs, prompt_mask_bp, n, policy, routing)
+        ex_btlk = aux["experts_btlk"]
+        pad_b = prompt_mask_bp.shape[1] - jnp.sum(prompt_mask_bp, axis=1, dtype=jnp.int32)
+        src_bt = jnp.arange(ex_btlk.shape[1], dtype=jnp.int32)[None, :] - pad_b[:, None]
+        back = jnp.take_along_axis(ex_btlk, jnp.maximum(src_bt, 0)[:, :, None, None], axis=1)
+        return jnp.where((src_bt >= 0)[:, :, None, None], back, -1)
     _, aux = model(seq_bs[:, :-1], default_positions(real_bs)[:, :-1], real_bs[:, :-1], policy=policy,
                    return_hidden=True, return_aux=True, routing_btlk=None if routing is None else routing[:, :-1])
     return aux["experts_btlk"]
 
 
-def learner_routing(model, out, learner: str, *, rules=(), routing=None) -> jax.Array:
+def learner_routing(model, out, learner, *, rules=(), routing=None) -> jax.Array:
     """The MoE expert ids [N, P + T - 1, L_moe, k] the learner's teacher-forced pass over `out` uses (its own,
     or `routing` replayed): one position per fed token, laid out like `out.routing[:, :-1]`."""
     graphdef, state = nnx.split(model)
     seq_bs = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
     real_bs = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
-    return _learner_experts(graphdef, state, PrecisionPolicy.from_spec(learner, rules=tuple(rules)), seq_bs,
-                            real_bs, routing)
+    policy = learner if isinstance(learner, PrecisionPolicy) else PrecisionPolicy.from_spec(learner, rules=tuple(rules))
+    return _learner_experts(graphdef, state, policy, seq_bs, real_bs, out.prompt_mask, routing)
 
 
 def routing_flips(learner_bslk, sampler_bslk) -> tuple[int, int]:
@@ -150,3 +161,44 @@ def diagnostics(adv_n, delta_bn, mask_bn) -> dict[str, float]:
     """Every diagnostic of `rl.mismatch_metrics` as floats, the HEADLINE metrics first."""
     m = {k: float(v) for k, v in mismatch_metrics(adv_n, delta_bn, jnp.asarray(mask_bn).astype(jnp.float32)).items()}
     return {**{k: m[k] for k in HEADLINE if k in m}, **{k: v for k, v in m.items() if k not in HEADLINE}}
+
+
+# ------------------------------------------------------------------------------------------------ decomposition
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One row of the mismatch decomposition: the two sides' precision, KV format, numerics path and scaling."""
+
+    name: str
+    sampler: LayerPrecision | str
+    learner: LayerPrecision | str
+    sampler_exact: bool = True
+    learner_exact: bool = True
+    learner_act_scaling: str = "row"
+    kv: str = "bf16"
+
+
+def decomposition(precision: str = "w4a4") -> tuple[Step, ...]:
+    """From exact mode (delta = 0) to the trainer's default, adding one source of mismatch per step.
+
+    The sources, in order: the sampler's weight quantization, its activation quantization, then the same 4-bit
+    format on both sides (quantization itself cancels), the learner's per-tensor activation scales (scaling
+    granularity), the sampler's FP8 KV cache, the default (non-exact) learner path (reduction orders that follow
+    the batch), the default path on both sides, and both defaults at once: the trainer's W4A4/W4A4 without exact
+    mode. MoE routing flips are counted on every row (`routing_flip_frac`)."""
+    q = PRESETS[precision]
+    if not q.quantized:
+        raise ValueError(f"decomposition: --sampler={precision!r} is not a quantized preset")
+    weights = LayerPrecision(weight=q.weight, weight_scaling=q.weight_scaling)
+    return (
+        Step("exact bf16/bf16", "bf16", "bf16"),
+        Step(f"+ sampler weights {q.weight}", weights, "bf16"),
+        Step(f"+ sampler activations {q.act}", precision, "bf16"),
+        Step(f"{precision} on both sides", precision, precision),
+        Step("+ learner act scales per tensor", precision, precision, learner_act_scaling="tensor"),
+        Step("+ sampler fp8 KV cache", precision, precision, kv="fp8"),
+        Step("+ default learner path", precision, precision, learner_exact=False),
+        Step("default paths on both sides", precision, precision, sampler_exact=False, learner_exact=False),
+        Step("trainer default (tensor scales)", precision, precision, sampler_exact=False, learner_exact=False,
+             learner_act_scaling="tensor"),
+    )

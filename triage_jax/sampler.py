@@ -334,9 +334,6 @@ class Engine:
         # prefill_batch rows per shard: the prefill's per-device shape, like the decode's, is the device count's.
         self.prefill_batch = config.prefill_batch * self.shards
         self.policy = policy or PrecisionPolicy()
-        if self.policy.exact and self.policy.kv_cache == "fp8":
-            raise ValueError("exact mode needs a KV cache in the compute dtype: the FP8 cache's scale is set by the "
-                             "prefill batch, which the learner cannot reproduce (sampler.kv_cache='bf16')")
         self.st = _static(cfg, pad_id, self.policy.exact)
         self.pad_id = int(pad_id)
         self.record_routing = bool(record_routing)

@@ -4,6 +4,10 @@
         [--rules='last:0.15=bf16'] [--sampler_rules='mlp\.down_proj=w4a8'] [--learner_rules=...] [--exact]
         [--routing-replay]
 
+--decompose starts from exact mode and adds one source at a time (probe.decomposition: sampler weight and
+activation quantization, the learner's activation-scale granularity, an FP8 KV cache, the default learner path,
+the default paths on both sides), one table row each, MoE routing flips counted on every row.
+
 --config is a model preset (tiny, tiny_moe, qwen3_4b, ...) or a run config file (configs/tiny.py: its model
 preset and compute dtype). --exact runs both sides in exact mode (docs/numerics.md#exact-mode): with one
 precision on both sides, every delta is 0.0 ("max_abs_delta" in the JSON line).
@@ -59,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help="compute dtype (default: the config file's, else bfloat16)")
     p.add_argument("--exact", action="store_true", help="exact mode on both sides (needs one precision)")
+    p.add_argument("--decompose", action="store_true",
+                   help="from exact mode to the default, one mismatch source per row (--sampler: the 4-bit preset)")
     p.add_argument("--num_prompts", type=int, default=128)
     p.add_argument("--group_size", type=int, default=2, help="responses per prompt (GRPO group)")
     p.add_argument("--prompts", default="synthetic", choices=("synthetic", "random"))
@@ -129,9 +135,8 @@ def make_prompts(args, vocab_size: int):
     return probe.random_prompts(vocab_size, args.num_prompts, args.prompt_len, seed=args.seed), None, None, 0, ()
 
 
-def run(args) -> dict:
+def _setup(args):
     model = build_model(args)
-    vocab = model.cfg.vocab_size
     rules = {side: parse_rules(getattr(args, f"{side}_rules") + args.rules, model.cfg.num_hidden_layers)
              for side in ("sampler", "learner")}
     if any(rules.values()) and model.cfg.scan_layers:
@@ -139,28 +144,35 @@ def run(args) -> dict:
     if args.routing_replay and not model.cfg.is_moe:
         raise ValueError(f"--routing-replay replays MoE expert routing, but {args.checkpoint or args.config!r} is a "
                          f"dense model (num_experts=0)")
-    prompts, truths, tok, pad_id, stop_ids = make_prompts(args, vocab)
+    prompts, truths, tok, pad_id, stop_ids = make_prompts(args, model.cfg.vocab_size)
     prompts = [p for p in prompts for _ in range(args.group_size)]
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, stop_ids=stop_ids)
+    return model, rules, prompts, truths, tok, pad_id, cfg
 
+
+def measure(args, setup, step: probe.Step) -> dict:
+    """Sample under the step's sampler side, recompute under its learner side, and every diagnostic of the gap."""
+    model, rules, prompts, truths, tok, pad_id, cfg = setup
     t0 = time.perf_counter()
-    out = probe.sample_responses(model, prompts, cfg, sampler=args.sampler, kv=args.kv, seed=args.seed,
+    out = probe.sample_responses(model, prompts, cfg, sampler=step.sampler, kv=step.kv, seed=args.seed,
                                  pad_id=pad_id, rules=rules["sampler"], record_routing=model.cfg.is_moe,
-                                 exact=args.exact)
+                                 exact=step.sampler_exact)
     out.tokens.block_until_ready()
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
     replay = out.routing if args.routing_replay else None
-    learner_logp = probe.recompute_logprobs(model, out, args.learner, temperature=args.temperature,
+    learner_logp = probe.recompute_logprobs(model, out, step.learner, temperature=args.temperature,
                                             vocab_chunk=args.vocab_chunk, rules=rules["learner"], routing=replay,
-                                            exact=args.exact)
+                                            exact=step.learner_exact, act_scaling=step.learner_act_scaling)
     learner_logp.block_until_ready()
     t_learn = time.perf_counter() - t0
     routing = {}
     if model.cfg.is_moe:
+        policy = probe.learner_policy(step.learner, rules["learner"], exact=step.learner_exact,
+                                      act_scaling=step.learner_act_scaling)
         flips, recorded = probe.routing_flips(
-            probe.learner_routing(model, out, args.learner, rules=rules["learner"], routing=replay), out.routing)
+            probe.learner_routing(model, out, policy, rules=rules["learner"], routing=replay), out.routing)
         routing = {"routing_flips": flips, "routing_flip_frac": flips / max(recorded, 1)}
 
     delta = token_delta(learner_logp, out.logprobs, out.mask)
@@ -170,16 +182,52 @@ def run(args) -> dict:
               "(quadrant masses, rho_asym, tail shares) are NaN", file=sys.stderr)
     metrics = probe.diagnostics(adv, delta, out.mask)
     return {
-        "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
-        "dtype": args.dtype, "routing_replay": args.routing_replay, **routing,
-        "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
-        "learner_rules": [f"{r}={p}" for r, p in rules["learner"]], "exact": args.exact,
+        "routing_replay": args.routing_replay, **routing,
         "num_responses": len(prompts), "response_tokens": int(out.mask.sum()),
         "max_abs_delta": float(jnp.max(jnp.abs(delta) * out.mask)),
         "mean_response_len": float(out.lengths.mean()),
         "accuracy": None if scored is None else float(scored.accuracy.mean()),
         "sample_s": round(t_sample, 3), "learner_s": round(t_learn, 3), **metrics,
     }
+
+
+def run(args) -> dict:
+    setup = _setup(args)
+    rules = setup[1]
+    step = probe.Step("", args.sampler, args.learner, sampler_exact=args.exact, learner_exact=args.exact,
+                      learner_act_scaling="row" if args.exact else None, kv=args.kv)
+    return {
+        "config": args.checkpoint or args.config, "learner": args.learner, "sampler": args.sampler, "kv": args.kv,
+        "dtype": args.dtype, "sampler_rules": [f"{r}={p}" for r, p in rules["sampler"]],
+        "learner_rules": [f"{r}={p}" for r, p in rules["learner"]], "exact": args.exact,
+        **measure(args, setup, step),
+    }
+
+
+DECOMPOSE_COLUMNS = ("mean_abs_delta", "max_abs_delta", "delta_q05", "delta_q95", "rho_asym", "chi2_token",
+                     "routing_flip_frac")
+
+
+def decompose(args) -> dict:
+    """`probe.decomposition(--sampler)`, one measured row per step, on the same prompts and seed."""
+    setup = _setup(args)
+    rows = []
+    for step in probe.decomposition(args.sampler):
+        m = measure(args, setup, step)
+        rows.append({"step": step.name, **{k: m[k] for k in DECOMPOSE_COLUMNS if k in m},
+                     "num_responses": m["num_responses"], "response_tokens": m["response_tokens"]})
+        print(f"  {step.name}: mean |delta| {m['mean_abs_delta']:.3g}", file=sys.stderr)
+    return {"config": args.checkpoint or args.config, "precision": args.sampler, "dtype": args.dtype,
+            "decomposition": rows}
+
+
+def format_decomposition(result: dict) -> str:
+    cols = [c for c in DECOMPOSE_COLUMNS if any(c in r for r in result["decomposition"])]
+    width = max(len(r["step"]) for r in result["decomposition"])
+    lines = [f"{'step':<{width}}  " + "  ".join(f"{c:>17}" for c in cols)]
+    for r in result["decomposition"]:
+        lines.append(f"{r['step']:<{width}}  " + "  ".join(f"{r.get(c, float('nan')):>17.4g}" for c in cols))
+    return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:
@@ -195,13 +243,13 @@ def format_table(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        result = run(args)
+        result = decompose(args) if args.decompose else run(args)
     except ValueError as e:
         if "precision rule" not in str(e) and "--rules" not in str(e) and "--routing-replay" not in str(e):
             raise
         print(f"mismatch: error: {e}", file=sys.stderr)
         return 2
-    print(format_table(result))
+    print(format_decomposition(result) if args.decompose else format_table(result))
     print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}))
     return 0
 
