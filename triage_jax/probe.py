@@ -179,7 +179,8 @@ class Step:
 
 
 def decomposition(precision: str = "w4a4") -> tuple[Step, ...]:
-    """From exact mode (delta = 0) to the trainer's default, adding one source of mismatch per step.
+    """From exact mode (delta = 0) to the trainer's default, one source of mismatch at a time: each "+" row adds
+    one source to the zero row above it (not to the row before), the last two rows combine them.
 
     The sources, in order: the sampler's weight quantization, its activation quantization, then the same 4-bit
     format on both sides (quantization itself cancels), the learner's per-tensor activation scales (scaling

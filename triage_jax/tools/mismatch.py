@@ -240,6 +240,17 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _json_safe(v):
+    """NaN (an empty denominator) as null, at any depth: the JSON line stays valid JSON."""
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
+    return v
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -250,7 +261,7 @@ def main(argv=None) -> int:
         print(f"mismatch: error: {e}", file=sys.stderr)
         return 2
     print(format_decomposition(result) if args.decompose else format_table(result))
-    print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}))
+    print(json.dumps(_json_safe(result)))
     return 0
 
 
