@@ -10,7 +10,7 @@ what could be allocated.
 Deterministic: every draw is keyed by (request id, token index), never by a slot, and every per-token computation
 has a fixed per-device shape (slots, prefill batch), so a request's tokens and log-probs do not depend on the slot
 it lands in, the other requests, or continuous vs static batching, at the same capacity bucket; across capacity
-buckets XLA's reduction order can move a log-prob's last bit.
+buckets XLA's reduction order can move a log-prob's last bit (not under an exact policy, docs/numerics.md#exact-mode).
 
 Log-probs: for every drawn token the sampler reports log_softmax(logits / T) over the FULL vocabulary at the
 sampling temperature T, before top-k / top-p truncation (what verl and vLLM report as rollout log-probs with a

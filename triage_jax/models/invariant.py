@@ -4,13 +4,14 @@ rows of its batch, its padding, prefill vs decode, or the capacity of the KV cac
 XLA's CPU kernels choose their reduction order by shape: a row of a dot over fewer than 64 rows, a row sum over
 40 logits at 1,000 rows vs 64, a sum over a middle axis at 8 columns vs 2 (docs/numerics.md#exact-mode lists the
 measurements). Exact mode therefore
-- runs every matmul on at least `MIN_ROWS` rows (zero rows appended), the regime where the measured dot kernels
-  give each row the same bits whatever the row count, and
+- runs every matmul on at least `MIN_ROWS` rows and `MIN_COLS` columns (zeros appended), inputs materialized
+  first, the regime where the measured dot kernels give each row the same bits whatever the row count, and
 - computes every other reduction as `tree_sum`: a zero-padded power-of-two halving tree of elementwise adds, whose
   order is fixed by the element's index alone. Zeros past the data leave it unchanged (x + 0 = x), so a sum over
   64 cache slots equals the sum over 2,048 when the extra slots are masked: capacity buckets do not matter.
 Attention and log-softmax built from these are what the sampler and the learner both run when
-`PrecisionPolicy.exact` is set.
+`PrecisionPolicy.exact` is set. Open: prompts of a few hundred tokens can still differ in a last bit (a fusion
+inside the layer program; docs/numerics.md#exact-mode).
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ def rms_norm(x: jax.Array, eps: float) -> jax.Array:
     return x32 * jax.lax.rsqrt(var + eps)
 
 
-def _shifted_exp(z: jax.Array) -> jax.Array:
+def _shifted_exp(z: jax.Array) -> tuple[jax.Array, jax.Array]:
     """exp(z - max z) over the last axis, with the max and the exponentials in fusions of their own.
 
     Fused with the max's reduction, XLA picks the exponential's vectorization (and so its last bit) by the row
     count: rows of 8 router logits differ between 24 and 720 rows. A barrier keeps exp elementwise.
+    Returns (exponentials, the max used: 0 for a row that is all -inf).
     """
     m = jnp.max(z, axis=-1, keepdims=True)
     z, m = jax.lax.optimization_barrier((z, jnp.where(jnp.isfinite(m), m, 0.0)))
