@@ -33,8 +33,8 @@ from triage_jax.quant import PRESETS, LayerPrecision, PrecisionPolicy
 from triage_jax.rl import group_advantages, mismatch_metrics
 from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
 
-__all__ = ["HEADLINE", "Step", "advantages", "decomposition", "diagnostics", "encode_examples", "learner_routing", "random_prompts",
-           "recompute_logprobs", "routing_flips", "sample_responses"]
+__all__ = ["HEADLINE", "Step", "advantages", "decomposition", "diagnostics", "encode_examples", "learner_policy",
+           "learner_routing", "random_prompts", "recompute_logprobs", "routing_flips", "sample_responses"]
 
 # The metrics a report shows first (the rest of rl.mismatch_metrics follow in their own order).
 HEADLINE = ("mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token")
