@@ -17,18 +17,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from triage_jax import config
+from triage_jax.config import load_config  # noqa: F401  (re-exported: the experiments read configs here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIGURES = os.path.join(ROOT, "experiments", "figures")
 
 
 # ------------------------------------------------------------------------------------------------ configs
-
-def load_config(name_or_path: str):
-    """A config from configs/<name>.py (or a path to a config file): `triage_jax.config.load_config`."""
-    return config.load_config(name_or_path)
-
 
 def set_values(c, overrides: Mapping[str, Any]):
     """Set dotted keys ("rl.triage.lambda_rep") on a locked ConfigDict; an unknown key raises naming it."""
