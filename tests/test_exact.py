@@ -87,6 +87,15 @@ def test_tree_sum_is_a_fixed_order_unchanged_by_zero_padding():
     np.testing.assert_array_equal(np.asarray(invariant.tree_sum(x[:1])), np.asarray(s40[:1]))
 
 
+def test_products_are_rounded_before_a_tree_sum_adds_them():
+    # XLA's CPU backend fuses a * b + c into an FMA where both sit in one fusion: the tree's first add must not.
+    a, b = (np.random.default_rng(i).standard_normal((512, 2)).astype(np.float32) for i in (0, 1))
+    by_hand = (a[:, 0] * b[:, 0]).astype(np.float32) + (a[:, 1] * b[:, 1]).astype(np.float32)
+    fused = jax.jit(lambda a, b: (a * b)[:, 0] + (a * b)[:, 1])(a, b)
+    assert not np.array_equal(np.asarray(fused), by_hand)  # the contraction this guards against happens here
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, b: invariant.tree_sum(a * b))(a, b)), by_hand)
+
+
 def test_exact_attention_gradient_matches_default_attention():
     q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))
     k, v = (jax.random.normal(jax.random.key(i), (2, 2, 5, 8)) for i in (1, 2))

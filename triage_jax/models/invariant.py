@@ -9,9 +9,10 @@ measurements). Exact mode therefore
 - computes every other reduction as `tree_sum`: a zero-padded power-of-two halving tree of elementwise adds, whose
   order is fixed by the element's index alone. Zeros past the data leave it unchanged (x + 0 = x), so a sum over
   64 cache slots equals the sum over 2,048 when the extra slots are masked: capacity buckets do not matter.
+  Its summands are `rounded` first: the backend fuses a multiply into a following add (an FMA) wherever both
+  land in one fusion, and which ops share a fusion depends on the program.
 Attention and log-softmax built from these are what the sampler and the learner both run when
-`PrecisionPolicy.exact` is set. Open: prompts of a few hundred tokens can still differ in a last bit (a fusion
-inside the layer program; docs/numerics.md#exact-mode).
+`PrecisionPolicy.exact` is set.
 """
 
 from __future__ import annotations
@@ -29,9 +30,28 @@ MIN_ROWS = 64  # the dot kernels are row-count invariant from 64 rows on (docs/n
 MIN_COLS = 64  # ... and for outputs of >= 16 columns (float32: 2 and 8 columns are not); 64 with room
 
 
+def rounded(x: jax.Array) -> jax.Array:
+    """x rounded to its dtype where it stands, so that no later add can absorb its last operation as an FMA.
+
+    XLA's CPU backend contracts a multiply feeding an add into a fused multiply-add wherever both land in one
+    fusion, and fusions are shape-dependent: the same a * b + c rounds its product in one program and not in
+    another (a 64-token prefill vs the learner's forward differed from position 2 on). An integer xor with a
+    zero the compiler cannot prove (the NaN test of x's first element) stops the contraction for one op.
+    """
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
+        return x
+    bits = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    first = x.reshape(-1)[0]
+    zero = (first != first).astype(bits)  # 0 unless x starts with a NaN (then the output is NaN-tainted anyway)
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, bits) ^ zero, x.dtype)
+
+
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
-    """Sum over `axis` by pairwise halving of a zero-padded power-of-two length (fixed, shape-free order)."""
+    """Sum over `axis` by pairwise halving of a zero-padded power-of-two length (fixed, shape-free order).
+
+    The summands are `rounded` first: a product must not fuse into the first level's add."""
     axis = axis % x.ndim
+    x = rounded(x)
     n = x.shape[axis]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
