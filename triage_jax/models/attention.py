@@ -65,8 +65,7 @@ class Attention(nnx.Module):
         if exact:
             # The learner's side of exact mode: its sequence's tokens sit at the slots the sampler's cache held.
             visible_bts = jnp.tril(jnp.ones((1, t, t), bool)) if mask_bts is None else mask_bts
-            out_btnh = invariant.attention(q_btnh, k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3),
-                                           visible_bts, self.head_dim**-0.5)
+            out_btnh = invariant.causal_attention(q_btnh, k_btkh, v_btkh, visible_bts, self.head_dim**-0.5)
         elif self.attn_chunk and t > self.attn_chunk and mask_bts is not None:
             # Long learner sequences: never materialize the [B, N, T, T] scores (20k-token responses).
             out_btnh = chunked_attention(q_btnh, k_btkh, v_btkh, mask_bts, scale=self.head_dim**-0.5,

@@ -28,6 +28,7 @@ F32 = jnp.float32
 BLOCK = kv_cache.BLOCK  # attention sums over slots per block of this many (the cache capacity granule)
 MIN_ROWS = 64  # the dot kernels are row-count invariant from 64 rows on (docs/numerics.md#exact-mode)
 MIN_COLS = 64  # ... and for outputs of >= 16 columns (float32: 2 and 8 columns are not); 64 with room
+MAX_QUERY_CHUNKS = 8  # causal_attention's query chunks (unrolled: a few, whatever the length)
 
 
 def rounded(x: jax.Array) -> jax.Array:
@@ -35,15 +36,10 @@ def rounded(x: jax.Array) -> jax.Array:
 
     XLA's CPU backend contracts a multiply feeding an add into a fused multiply-add wherever both land in one
     fusion, and fusions are shape-dependent: the same a * b + c rounds its product in one program and not in
-    another (a 64-token prefill vs the learner's forward differed from position 2 on). An integer xor with a
-    zero the compiler cannot prove (the NaN test of x's first element) stops the contraction for one op.
+    another (a 64-token prefill vs the learner's forward differed from position 2 on). copysign(|x|, x) is x for
+    every x (NaN, signed zeros), elementwise, and no contraction looks through it (tests/test_exact.py).
     """
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0:
-        return x
-    bits = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-    first = x.reshape(-1)[0]
-    zero = (first != first).astype(bits)  # 0 unless x starts with a NaN (then the output is NaN-tainted anyway)
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, bits) ^ zero, x.dtype)
+    return jnp.copysign(jnp.abs(x), x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -131,23 +127,33 @@ def _blocked_slots(k_bksh, v_bksh, visible_bts):
     return k_bksh, v_bksh, visible_bts
 
 
+def chain_sum(term, n: int) -> jax.Array:
+    """term(0) + term(1) + ... + term(n - 1), left to right, every term `rounded`: the order is fixed by the index
+    alone, trailing zero terms change nothing, and the unrolled chain fuses into one loop (no [..., n] tensor of
+    products is materialized, unlike a `tree_sum` of them). For short fixed axes: a head dim, a slot block."""
+    acc = rounded(term(0))
+    for i in range(1, n):
+        acc = acc + rounded(term(i))
+    return acc
+
+
 def _attention(q_btnh, k_bksh, v_bksh, visible_bts, scale):
     k_bksh, v_bksh, visible_bts = _blocked_slots(k_bksh, v_bksh, visible_bts)
     b, t, n, h = q_btnh.shape
     kvh, s = k_bksh.shape[1], k_bksh.shape[2]
-    g = n // kvh
-    q_bkgth = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).astype(F32)
-    k_bksh, v_bksh = k_bksh.astype(F32), v_bksh.astype(F32)
-    # Scores, weights and the value sum are products summed by tree_sum: elementwise ops in an index-fixed order.
-    scores = tree_sum(q_bkgth[:, :, :, :, None, :] * k_bksh[:, :, None, None, :, :], -1) * scale  # [b,k,g,t,s]
+    g, nb = n // kvh, s // BLOCK
+    # Operands with the summed axis leading, so that each term of a chain is a cheap slice.
+    q_hbkgt = q_btnh.reshape(b, t, kvh, g, h).transpose(4, 0, 2, 3, 1).astype(F32)
+    k_hbks = k_bksh.transpose(3, 0, 1, 2).astype(F32)
+    scores = chain_sum(lambda i: q_hbkgt[i][..., None] * k_hbks[i][:, :, None, None, :], h) * scale  # [b,k,g,t,s]
     scores = jnp.where(visible_bts[:, None, None], scores, -jnp.inf)
     p, _ = _shifted_exp(scores)  # a query that sees nothing (a pad) gets zeros
-    # Sums over slots run per BLOCK-slot block, then over blocks: the compiler may fuse a product into the add of
-    # the first tree level (an FMA), so products are only ever paired within a block, the same at any capacity.
-    p_bkgtnc = p.reshape(b, kvh, g, t, s // BLOCK, BLOCK)
-    den = tree_sum(tree_sum(p_bkgtnc, -1), -1)
-    v_bkncd = v_bksh.reshape(b, kvh, s // BLOCK, BLOCK, h)
-    num = tree_sum(tree_sum(p_bkgtnc[..., None] * v_bkncd[:, :, None, None], -2), -2)  # [b,k,g,t,h]
+    # Sums over slots: a chain within each BLOCK-slot block, then a tree over blocks, so a larger cache (more
+    # all-zero blocks, or zero slots at a block's end) leaves every sum's bits as they are.
+    p_cbkgtn = p.reshape(b, kvh, g, t, nb, BLOCK).transpose(5, 0, 1, 2, 3, 4)
+    v_cbknd = v_bksh.reshape(b, kvh, nb, BLOCK, h).transpose(3, 0, 1, 2, 4).astype(F32)
+    den = tree_sum(chain_sum(lambda c: p_cbkgtn[c], BLOCK), -1)  # [b,k,g,t]
+    num = tree_sum(chain_sum(lambda c: p_cbkgtn[c][..., None] * v_cbknd[c][:, :, None, None], BLOCK), -2)
     out_bkgth = num / jnp.where(den > 0, den, 1.0)[..., None]
     return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
 
@@ -192,3 +198,21 @@ def attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, visible_b
     place a sequence's tokens at the same slots. The backward pass is the dot-based attention's (same math).
     """
     return _exact_attention(q_btnh, k_bksh, v_bksh, visible_bts, scale)
+
+
+def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, visible_bts: jax.Array,
+                     scale: float) -> jax.Array:
+    """`attention` of T tokens over themselves at slots 0..T-1, where no query sees a later slot (the learner's
+    causal forward); keys and values [B, T, KVH, Dh].
+
+    Each chunk of queries reads the key blocks up to its own end only, about half the work. The blocks it skips
+    are exactly those whose terms are all zero, and a `tree_sum` is unchanged by trailing zeros, so every query
+    gets `attention`'s bits (and so the sampler's, whatever its cache capacity).
+    """
+    t = q_btnh.shape[1]
+    blocks = -(-t // BLOCK)
+    chunk = BLOCK * -(-blocks // MAX_QUERY_CHUNKS)  # whole blocks, at most MAX_QUERY_CHUNKS chunks
+    k_bksh, v_bksh = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
+    outs = [attention(q_btnh[:, lo:lo + chunk], k_bksh[:, :, :lo + chunk], v_bksh[:, :, :lo + chunk],
+                      visible_bts[:, lo:lo + chunk, :lo + chunk], scale) for lo in range(0, t, chunk)]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
