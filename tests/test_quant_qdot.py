@@ -158,6 +158,20 @@ def test_qragged_forward_is_per_expert_qdot(name):
     assert np.all(y[start:] == 0)
 
 
+def test_qragged_high_precision_bfloat16_runs_and_sums_in_float32():
+    # The tiny MoE in bfloat16 compute: a plain bf16 grouped dot (the CPU runtime has no bf16 x bf16 -> f32 dot).
+    x, w, gs = _moe()
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    y = jax.jit(lambda a, b: quant.qragged_dot(a, b, gs, LayerPrecision()))(xb, wb)
+    assert y.dtype == jnp.bfloat16
+    start = 0
+    for e, size in enumerate(np.asarray(gs)):
+        ref = np.asarray(xb[start:start + size], np.float32) @ np.asarray(wb[e], np.float32)
+        np.testing.assert_allclose(np.asarray(y[start:start + size], np.float32), ref, rtol=2**-8, atol=1e-6)
+        start += size
+    assert np.all(np.asarray(y[start:], np.float32) == 0)
+
+
 def test_qragged_forward_tensor_scaled_activation_reference():
     prec = PRECS["w4a4"]
     x, w, gs = _moe()

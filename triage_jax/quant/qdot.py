@@ -340,6 +340,10 @@ def qragged_dot(
     if not prec.quantized:
         if isinstance(w_ekn, QuantizedWeight):
             raise ValueError("qragged_dot: a QuantizedWeight needs a layer precision with a weight format")
+        if jax.default_backend() == "cpu":
+            # XLA's CPU runtime has no bf16 x bf16 -> f32 dot; in float32 the same products and sums are exact.
+            x32, w32 = x_mk.astype(F32), jnp.asarray(w_ekn).astype(F32)
+            return jax.lax.ragged_dot(x32, w32, group_sizes_e).astype(x_mk.dtype)
         return jax.lax.ragged_dot(x_mk, w_ekn, group_sizes_e, preferred_element_type=F32).astype(x_mk.dtype)
     backend = be.resolve_backend(backend)
     _report_operands(x_mk, w_ekn, prec, "qragged_dot", name)
