@@ -2,13 +2,14 @@
 
     python experiments/mismatch_matrix.py [--models tiny,tiny_moe] [--dtypes bfloat16,float32]
         [--num_prompts 64] [--group_size 4] [--out experiments/results] [--figure experiments/figures/...png]
-        [--settings "MXFP4 / MXFP4,W4A4 (MXFP4 act.)"]
+        [--settings "MXFP4 / MXFP4,W4A4 (MXFP4 act.)"] [--decompose w4a4]
 
 For each warmed-up tiny model (configs/tiny.py, configs/tiny_moe.py; the cached supervised warm-up) and compute
 dtype, held-out synthetic prompts are sampled once per sampler setting; the learner recomputes the log-probs of
 those tokens under its precision, and delta = learner - sampler log-prob per response token (docs/rl_math.md#delta).
-Prints a markdown table of mean |delta| beside the paper's miniTE values, checks the paper's orderings on the
-measured numbers, and draws a bar chart.
+Prints a markdown table of mean |delta| beside the paper's miniTE values (each row naming the mismatch sources
+it holds), checks the paper's orderings on the measured numbers, and draws a bar chart. Then the decomposition
+(`probe.decomposition`, as `tools.mismatch --decompose`): exact mode's zero, and one source added at a time.
 
 "BF16" here means no quantization in the given compute dtype. With --dtypes float32 the BF16/BF16 pair is the
 same float32 network evaluated two ways (KV-cache decode vs one teacher-forced pass) and its mismatch is ~1e-6;
@@ -54,25 +55,27 @@ class Setting:
     learner: str
     sampler: str
     kv: str = "bf16"
+    measures: str = ""  # the mismatch sources the row holds, named as the decomposition table names them
 
 
 # "NVFP4" on either side is the W4A4 preset (NVFP4 weights and activations; embeddings, LM head, router and norms
 # stay high precision). The weight/activation rows quantize the sampler only, against a BF16 learner.
+_PATHS = "default paths (reduction orders)"
 SETTINGS = (
-    Setting("BF16 / BF16", "bf16", "bf16"),
-    Setting("NVFP4 / NVFP4", "w4a4", "w4a4"),
-    Setting("NVFP4 / BF16", "w4a4", "bf16"),
-    Setting("BF16 / NVFP4", "bf16", "w4a4"),
-    Setting("W4A16", "bf16", "w4a16"),
-    Setting("W4A8 (MXFP8 act.)", "bf16", "w4a8"),
-    Setting("W4A4 (NVFP4 act.)", "bf16", "w4a4"),
-    Setting("KV FP8 (W4A4 sampler)", "bf16", "w4a4", "fp8"),
-    Setting("KV BF16 (W4A4 sampler)", "bf16", "w4a4", "bf16"),
+    Setting("BF16 / BF16", "bf16", "bf16", measures=_PATHS),
+    Setting("NVFP4 / NVFP4", "w4a4", "w4a4", measures=f"learner act. scales per tensor + {_PATHS}"),
+    Setting("NVFP4 / BF16", "w4a4", "bf16", measures=f"learner weights + act. (per tensor) + {_PATHS}"),
+    Setting("BF16 / NVFP4", "bf16", "w4a4", measures=f"sampler weights + act. + {_PATHS}"),
+    Setting("W4A16", "bf16", "w4a16", measures=f"sampler NVFP4 weights + {_PATHS}"),
+    Setting("W4A8 (MXFP8 act.)", "bf16", "w4a8", measures=f"sampler weights + MXFP8 act. + {_PATHS}"),
+    Setting("W4A4 (NVFP4 act.)", "bf16", "w4a4", measures=f"sampler weights + act. + {_PATHS}"),
+    Setting("KV FP8 (W4A4 sampler)", "bf16", "w4a4", "fp8", measures="the W4A4 row + sampler FP8 KV cache"),
+    Setting("KV BF16 (W4A4 sampler)", "bf16", "w4a4", "bf16", measures="the W4A4 row (the FP8 row's control)"),
     # MXFP4 (OCP MX: E2M1, one power-of-two E8M0 scale per 32 elements, no tensor scale; numerics.md "MXFP4"),
     # the gpt-oss format: not in the paper, a coarser 4-bit dial than NVFP4 next to its rows.
-    Setting("MXFP4 / MXFP4", "w4a4_mx", "w4a4_mx"),
-    Setting("W4A16 (MXFP4 weights)", "bf16", "w4a16_mx"),
-    Setting("W4A4 (MXFP4 act.)", "bf16", "w4a4_mx"),
+    Setting("MXFP4 / MXFP4", "w4a4_mx", "w4a4_mx", measures=f"{_PATHS} (MX scales are per token on both sides)"),
+    Setting("W4A16 (MXFP4 weights)", "bf16", "w4a16_mx", measures=f"sampler MXFP4 weights + {_PATHS}"),
+    Setting("W4A4 (MXFP4 act.)", "bf16", "w4a4_mx", measures=f"sampler MXFP4 weights + act. + {_PATHS}"),
 )
 LABELS = tuple(s.label for s in SETTINGS)
 
@@ -191,9 +194,32 @@ def measure_model(model, tok, prompts, truths, settings, *, group_size: int, max
     return results
 
 
+def measure_decomposition(model, tok, prompts, truths, precision: str, *, group_size: int, max_new_tokens: int,
+                          temperature: float, seed: int, max_cache_len: int) -> list[dict]:
+    """`probe.decomposition(precision)` on these prompts: one row per step, each adding one mismatch source to
+    exact mode's zero (docs/numerics.md#exact-mode)."""
+    from triage_jax import probe
+    from triage_jax.sampler import SamplingConfig
+
+    rows = [p for p in prompts for _ in range(group_size)]
+    scfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=tuple(tok.eos_ids))
+    out = []
+    for step in probe.decomposition(precision):
+        m = probe.measure_step(model, rows, scfg, step, truths=list(truths), tok=tok, group_size=group_size,
+                               seed=seed, pad_id=tok.pad_id, temperature=temperature,
+                               vocab_chunk=model.cfg.vocab_size, max_cache_len=max_cache_len)
+        out.append({"step": step.name, **{k: m.get(k) for k in DECOMPOSE_KEYS}})
+    return out
+
+
+DECOMPOSE_KEYS = ("mean_abs_delta", "max_abs_delta", "delta_q05", "delta_q95", "rho_asym", "routing_flip_frac",
+                  "response_tokens")
+
+
 def run(args) -> dict:
     """Measure every setting for every model and dtype; returns {"results": {dtype: {model: {label: metrics}}}}."""
     results: dict[str, dict[str, dict]] = {}
+    breakdown: dict[str, dict[str, list]] = {}
     timings = {}
     settings = [s for s in SETTINGS if s.label in args.settings]
     for model_name in args.models:
@@ -208,10 +234,15 @@ def run(args) -> dict:
                                 max_new_tokens=c.sampler.max_new_tokens, temperature=c.sampler.temperature,
                                 seed=args.seed, max_cache_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens)
             results.setdefault(dtype, {})[model_name] = res
+            if args.decompose:
+                breakdown.setdefault(dtype, {})[model_name] = measure_decomposition(
+                    model, tok, prompts, truths, args.decompose, group_size=args.group_size,
+                    max_new_tokens=c.sampler.max_new_tokens, temperature=c.sampler.temperature, seed=args.seed,
+                    max_cache_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens)
             timings[f"{model_name}/{dtype}"] = time.perf_counter() - t0
             print(f"[mismatch_matrix] {model_name} {dtype}: {timings[f'{model_name}/{dtype}']:.0f}s", flush=True)
-    return {"results": results, "timings_s": timings, "settings": [dataclasses.asdict(s) for s in settings],
-            "args": vars(args)}
+    return {"results": results, "decomposition": breakdown, "timings_s": timings,
+            "settings": [dataclasses.asdict(s) for s in settings], "args": vars(args)}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -227,18 +258,37 @@ def table(report: dict) -> str:
     res = report["results"]
     dtypes = list(res)
     models = list(next(iter(res.values())))
-    header = ["learner / sampler"]
+    header = ["learner / sampler", "measures"]
     for m in models:
         header.append(f"paper {'MoE' if 'moe' in m else 'dense'}")
         header += [f"{m} {d}" for d in dtypes]
     rows = []
     for s in _measured(report):
-        row = [s.label]
+        row = [s.label, s.measures]
         for m in models:
             row.append(PAPER.get(s.label, {}).get(m))
             row += [_with_se(res[d][m][s.label]) for d in dtypes]
         rows.append(row)
     return common.markdown_table(header, rows)
+
+
+def decomposition_table(report: dict) -> str:
+    """Markdown: each decomposition step's mean |delta| per model and dtype (max |delta| where it is exactly 0)."""
+    dec = report.get("decomposition") or {}
+    cols = [(d, m) for d, per in dec.items() for m in per]
+    if not cols:
+        return ""
+    steps = [r["step"] for r in dec[cols[0][0]][cols[0][1]]]
+
+    def cell(r):
+        v = r["mean_abs_delta"]
+        flips = r.get("routing_flip_frac")
+        text = "0 (max 0)" if r.get("max_abs_delta") == 0 else f"{v:.3g}"
+        return text if flips is None else f"{text}, flips {100 * flips:.1f}%"
+
+    rows = [[name] + [cell(dec[d][m][i]) for d, m in cols] for i, name in enumerate(steps)]
+    return common.markdown_table(["step (a '+' row adds one source to the zero row above it)"]
+                                 + [f"{m} {d}" for d, m in cols], rows)
 
 
 def orderings_table(report: dict) -> str:
@@ -311,6 +361,8 @@ def parse_args(argv=None):
                    help="JAX persistent compilation cache folder ('' to disable)")
     p.add_argument("--settings", default="", help="comma-separated row labels to measure (default: every row of "
                                                     "SETTINGS), e.g. 'BF16 / BF16,MXFP4 / MXFP4'")
+    p.add_argument("--decompose", default="w4a4", help="4-bit preset whose mismatch the decomposition table "
+                                                          "takes apart, from exact mode up ('' to skip)")
     p.add_argument("--replot", action="store_true", help="re-render the table and figure from --out's JSON")
     p.add_argument("--figure", default=os.path.join(common.FIGURES, "mismatch_matrix.png"))
     args = p.parse_args(argv)
@@ -325,6 +377,11 @@ def parse_args(argv=None):
     if not args.models:
         p.error("--models is empty")
     args.overrides = common.parse_overrides(p, args.overrides)
+    from triage_jax.quant import PRESETS
+
+    if args.decompose and (args.decompose not in PRESETS or not PRESETS[args.decompose].quantized):
+        p.error(f"--decompose: {args.decompose!r} is not a quantized preset; one of "
+                f"{sorted(k for k, v in PRESETS.items() if v.quantized)}")
     wanted = [lb.strip() for lb in args.settings.split(",") if lb.strip()]
     unknown = [lb for lb in wanted if lb not in LABELS]
     if unknown:
@@ -349,6 +406,9 @@ def main(argv=None) -> int:
             "between the rows a claim compares, in combined standard errors (under ~2: within sampling noise).\n\n"
             + table(report)
             + "\n\n## The paper's orderings at this scale\n\n" + orderings_table(report) + "\n")
+    if decomposition_table(report):
+        text += (f"\n## Where the {report['args']['decompose']} mismatch comes from: exact mode plus one source at "
+                 "a time\n\n" + decomposition_table(report) + "\n")
     print(text)
     os.makedirs(args.out, exist_ok=True)
     if not args.replot:

@@ -29,4 +29,24 @@ def test_settings_subset_and_table():
     metrics = {"mean_abs_delta": 0.01, "se_abs_delta": 0.001}
     report = {"results": {"float32": {"tiny": {"BF16 / BF16": metrics, "MXFP4 / MXFP4": metrics}}}}
     table = mm.table(report)
-    assert "| MXFP4 / MXFP4 | - | 0.01 +- 0.001 |" in table and "NVFP4 / NVFP4" not in table
+    measures = next(x.measures for x in mm.SETTINGS if x.label == "MXFP4 / MXFP4")
+    assert f"| MXFP4 / MXFP4 | {measures} | - | 0.01 +- 0.001 |" in table and "NVFP4 / NVFP4" not in table
+    assert all(x.measures for x in mm.SETTINGS)  # every row says what it measures
+
+
+def test_decomposition_rows_and_table():
+    from triage_jax import probe
+
+    with pytest.raises(SystemExit):
+        mm.parse_args(["--decompose", "bf16"])  # nothing to take apart
+    assert mm.parse_args([]).decompose == "w4a4" and mm.parse_args(["--decompose", ""]).decompose == ""
+    steps = [st.name for st in probe.decomposition("w4a4")]
+    rows = [{"step": n, "mean_abs_delta": 0.0 if i == 0 else 0.01 * i, "max_abs_delta": 0.0 if i == 0 else 0.1,
+             "routing_flip_frac": None} for i, n in enumerate(steps)]
+    moe = [dict(r, routing_flip_frac=0.05) for r in rows]
+    report = {"args": {"decompose": "w4a4"}, "decomposition": {"float32": {"tiny": rows, "tiny_moe": moe}}}
+    table = mm.decomposition_table(report).splitlines()
+    assert table[0].count("|") == 4 and "tiny float32" in table[0] and "tiny_moe float32" in table[0]
+    assert table[2] == f"| {steps[0]} | 0 (max 0) | 0 (max 0), flips 5.0% |"
+    assert table[3] == f"| {steps[1]} | 0.01 | 0.01, flips 5.0% |" and len(table) == 2 + len(steps)
+    assert mm.decomposition_table({"decomposition": {}}) == ""

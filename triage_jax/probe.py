@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -31,10 +32,12 @@ from triage_jax.data.rewards import score_batch
 from triage_jax.logprobs import default_positions, response_logprobs, slot_aligned_hidden
 from triage_jax.quant import PRESETS, LayerPrecision, PrecisionPolicy
 from triage_jax.rl import group_advantages, mismatch_metrics
+from triage_jax.rl.delta import token_delta
 from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
 
 __all__ = ["HEADLINE", "Step", "advantages", "decomposition", "diagnostics", "encode_examples", "learner_policy",
-           "learner_routing", "random_prompts", "recompute_logprobs", "routing_flips", "sample_responses"]
+           "learner_routing", "measure_step", "random_prompts", "recompute_logprobs", "routing_flips",
+           "sample_responses"]
 
 # The metrics a report shows first (the rest of rl.mismatch_metrics follow in their own order).
 HEADLINE = ("mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token")
@@ -203,3 +206,41 @@ def decomposition(precision: str = "w4a4") -> tuple[Step, ...]:
         Step("trainer default (tensor scales)", precision, precision, sampler_exact=False, learner_exact=False,
              learner_act_scaling="tensor"),
     )
+
+
+def measure_step(model, prompts, cfg: SamplingConfig, step: Step, *, truths, tok, group_size: int, seed: int,
+                 pad_id: int, temperature: float, vocab_chunk: int, rules=None, routing_replay: bool = False,
+                 max_cache_len: int | None = None) -> dict:
+    """One measured row: `prompts` (each repeated `group_size` times, in order) sampled under the step's sampler
+    side, recomputed under its learner side; every diagnostic of the gap, max |delta|, MoE routing flips, timings.
+    rules: {"sampler": ..., "learner": ...} per-layer rules (default none); truths None: random prompts."""
+    rules = rules or {"sampler": (), "learner": ()}
+    t0 = time.perf_counter()
+    out = sample_responses(model, prompts, cfg, sampler=step.sampler, kv=step.kv, seed=seed, pad_id=pad_id,
+                           rules=rules["sampler"], record_routing=model.cfg.is_moe, exact=step.sampler_exact,
+                           max_cache_len=max_cache_len)
+    out.tokens.block_until_ready()
+    t_sample = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    replay = out.routing if routing_replay else None
+    learner_logp = recompute_logprobs(model, out, step.learner, temperature=temperature, vocab_chunk=vocab_chunk,
+                                      rules=rules["learner"], routing=replay, exact=step.learner_exact,
+                                      act_scaling=step.learner_act_scaling)
+    learner_logp.block_until_ready()
+    t_learn = time.perf_counter() - t0
+    routing = {}
+    if model.cfg.is_moe:
+        policy = learner_policy(step.learner, rules["learner"], exact=step.learner_exact,
+                                act_scaling=step.learner_act_scaling)
+        flips, recorded = routing_flips(learner_routing(model, out, policy, routing=replay), out.routing)
+        routing = {"routing_flips": flips, "routing_flip_frac": flips / max(recorded, 1)}
+    delta = token_delta(learner_logp, out.logprobs, out.mask)
+    adv, scored = advantages(out.tokens, out.mask, truths, tok, group_size)
+    return {
+        "routing_replay": routing_replay, **routing, "all_advantages_zero": not bool(jnp.any(adv != 0)),
+        "num_responses": len(prompts), "response_tokens": int(out.mask.sum()),
+        "max_abs_delta": float(jnp.max(jnp.abs(delta) * out.mask)),
+        "mean_response_len": float(out.lengths.mean()),
+        "accuracy": None if scored is None else float(scored.accuracy.mean()),
+        "sample_s": round(t_sample, 3), "learner_s": round(t_learn, 3), **diagnostics(adv, delta, out.mask),
+    }

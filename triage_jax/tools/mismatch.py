@@ -37,15 +37,12 @@ import argparse
 import json
 import math
 import sys
-import time
 
-import jax.numpy as jnp
 from flax import nnx
 
 from triage_jax import data, models, probe
 from triage_jax.quant import PRESETS
 from triage_jax.quant.policy import parse_rules
-from triage_jax.rl.delta import token_delta
 from triage_jax.sampler import SamplingConfig
 
 
@@ -154,41 +151,13 @@ def _setup(args):
 def measure(args, setup, step: probe.Step) -> dict:
     """Sample under the step's sampler side, recompute under its learner side, and every diagnostic of the gap."""
     model, rules, prompts, truths, tok, pad_id, cfg = setup
-    t0 = time.perf_counter()
-    out = probe.sample_responses(model, prompts, cfg, sampler=step.sampler, kv=step.kv, seed=args.seed,
-                                 pad_id=pad_id, rules=rules["sampler"], record_routing=model.cfg.is_moe,
-                                 exact=step.sampler_exact)
-    out.tokens.block_until_ready()
-    t_sample = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    replay = out.routing if args.routing_replay else None
-    learner_logp = probe.recompute_logprobs(model, out, step.learner, temperature=args.temperature,
-                                            vocab_chunk=args.vocab_chunk, rules=rules["learner"], routing=replay,
-                                            exact=step.learner_exact, act_scaling=step.learner_act_scaling)
-    learner_logp.block_until_ready()
-    t_learn = time.perf_counter() - t0
-    routing = {}
-    if model.cfg.is_moe:
-        policy = probe.learner_policy(step.learner, rules["learner"], exact=step.learner_exact,
-                                      act_scaling=step.learner_act_scaling)
-        flips, recorded = probe.routing_flips(
-            probe.learner_routing(model, out, policy, rules=rules["learner"], routing=replay), out.routing)
-        routing = {"routing_flips": flips, "routing_flip_frac": flips / max(recorded, 1)}
-
-    delta = token_delta(learner_logp, out.logprobs, out.mask)
-    adv, scored = probe.advantages(out.tokens, out.mask, truths, tok, args.group_size)
-    if not bool(jnp.any(adv != 0)):
+    m = probe.measure_step(model, prompts, cfg, step, truths=truths, tok=tok, group_size=args.group_size,
+                           seed=args.seed, pad_id=pad_id, temperature=args.temperature, vocab_chunk=args.vocab_chunk,
+                           rules=rules, routing_replay=args.routing_replay)
+    if m.pop("all_advantages_zero"):
         print("mismatch: every group scored alike, so all advantages are 0 and the advantage-weighted metrics "
               "(quadrant masses, rho_asym, tail shares) are NaN", file=sys.stderr)
-    metrics = probe.diagnostics(adv, delta, out.mask)
-    return {
-        "routing_replay": args.routing_replay, **routing,
-        "num_responses": len(prompts), "response_tokens": int(out.mask.sum()),
-        "max_abs_delta": float(jnp.max(jnp.abs(delta) * out.mask)),
-        "mean_response_len": float(out.lengths.mean()),
-        "accuracy": None if scored is None else float(scored.accuracy.mean()),
-        "sample_s": round(t_sample, 3), "learner_s": round(t_learn, 3), **metrics,
-    }
+    return m
 
 
 def run(args) -> dict:
