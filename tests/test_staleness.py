@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triage_jax import sampler
+from flax import nnx
+
+from triage_jax import build, sampler
 from triage_jax.config import ConfigError, base_config, validate
 from triage_jax.learner import Correction, prepare
 from triage_jax.rl import corrections as corr
@@ -205,7 +207,7 @@ def _untimed(m):
 def test_stale_run_is_deterministic_and_resumes_exactly(tmp_path):
     """rl.staleness=2 (a ring of two snapshots, two queued rollouts): a rerun gives the same numbers, and a run
     killed after step 3's log but before its checkpoint resumes from step 2 (snapshots restored, the queue
-    sampled again from them) bit-identical to the uninterrupted run."""
+    sampled again from them) bit-identical to the uninterrupted run, also across a failed step."""
     over = {"rl.staleness": 2, "rl.delta_source": "staleness", "train.steps": 4}
     full = Trainer(small_config(tmp_path / "a", **over)).run()
     assert full[3]["mismatch_staleness/mean_abs_delta"] > 0
@@ -216,11 +218,29 @@ def test_stale_run_is_deterministic_and_resumes_exactly(tmp_path):
     shutil.rmtree(os.path.join(c.run_dir, "checkpoints", "3"))
     resumed = Trainer(c)
     assert resumed.restore() and resumed.step == 2 and len(resumed.behaviour) == 2 and not resumed.queue
+    # ... and step 3 fails before its updates (the background rollout already drew prompts): the trainer goes back
+    # to the step boundary (loader rewound, queue dropped), and running on continues as if nothing had happened.
+    learn, failed = resumed._learn, []
+
+    def fail_once_at_3(ro, behaviour=None):
+        if resumed.step == 3 and not failed:
+            failed.append(True)
+            raise RuntimeError("boom")
+        return learn(ro, behaviour)
+
+    resumed._learn = fail_once_at_3
+    with pytest.raises(RuntimeError, match="boom"):
+        resumed.run(resume=False)
+    assert resumed.step == 3 and not resumed.queue and resumed.ckpt.latest_step() == 3  # the failure save
     rest = resumed.run(resume=False)
     assert len(rest) == 4
     for a, b in zip(full[2:], rest[2:]):
         np.testing.assert_equal(_untimed(a), _untimed(b))
-    assert rest[2]["time/rollout_fill"] > 0 and rest[3]["time/rollout_fill"] == 0  # the queue was sampled again
+    assert rest[2]["time/rollout_fill"] > 0 and rest[3]["time/rollout_fill"] > 0  # the queue was sampled again
+    # A reader (tools.eval) restores the stale run's checkpoint, snapshots included in its layout.
+    model, _, step = build.load_policy(c)
+    assert step == 4
+    jax.tree.map(np.testing.assert_array_equal, _np(nnx.state(model, nnx.Param)), _np(resumed.learner.params))
 
 
 SPLIT_SCRIPT = textwrap.dedent("""
