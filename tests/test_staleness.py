@@ -280,3 +280,11 @@ def test_sampler_submesh_samples_on_its_own_device_with_the_same_numbers(tmp_pat
     assert all(h > 0 for h in split["hidden"])
     for a, b in zip(shared["hist"], split["hist"]):
         np.testing.assert_equal(a, b)
+
+
+def test_sampler_mesh_needs_devices_after_the_learners():
+    c = base_config()
+    assert build.sampler_mesh(c) is None  # the default: the sampler shares the learner's mesh
+    c.mesh.sampler_devices = len(jax.devices())  # the learner's mesh already takes the first device
+    with pytest.raises(ValueError, match=r"config\.mesh\.sampler_devices: .*xla_force_host_platform_device_count"):
+        build.sampler_mesh(c)
