@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from triage_jax import checkpoint as ckpt_lib
@@ -156,14 +157,51 @@ def optim(c: ml_collections.ConfigDict) -> OptimSettings:
                          grad_clip=o.grad_clip)
 
 
-def learner(c: ml_collections.ConfigDict, model: nnx.Module, *, mesh=None, abstract: bool = False):
-    """The run's Learner for `model` on the config's mesh (or `mesh`)."""
+def learner_mesh(c: ml_collections.ConfigDict):
+    """The learner's (data, fsdp, tensor, expert) mesh (`mesh.*`) over the first devices."""
     from triage_jax import sharding as shd
+
+    return shd.make_mesh(c.mesh.to_dict())
+
+
+def sampler_mesh(c: ml_collections.ConfigDict):
+    """The sampler's own data-parallel mesh of `mesh.sampler_devices` devices, the ones after the learner's mesh
+    (a sampler and a learner sub-mesh: a stale rollout samples there while the learner updates); None when
+    mesh.sampler_devices=0 (the sampler shares the learner's mesh)."""
+    import jax
+
+    from triage_jax import sharding as shd
+
+    k = int(c.mesh.sampler_devices)
+    if not k:
+        return None
+    n_learner = int(np.prod([int(c.mesh[a]) for a in shd.MESH_AXES]))
+    devices = jax.devices()
+    if n_learner + k > len(devices):
+        raise ValueError(f"config.mesh.sampler_devices: the learner's mesh takes {n_learner} device(s) and the "
+                         f"sampler's {k} more, but {len(devices)} are available (on CPU, simulate more with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n_learner + k})")
+    return shd.make_mesh({"data": k}, devices[n_learner:n_learner + k])
+
+
+def learner(c: ml_collections.ConfigDict, model: nnx.Module, *, mesh=None, abstract: bool = False):
+    """The run's Learner for `model` on the config's mesh (or `mesh`); the correction acts on `rl.delta_source`."""
     from triage_jax.learner import Learner
 
     return Learner(model, loss=loss(c, model.cfg), correction=correction(c), triage=triage(c), optim=optim(c),
                    policy=learner_policy(c), micro_batch=c.rl.micro_batch,
-                   mesh=mesh if mesh is not None else shd.make_mesh(c.mesh.to_dict()), abstract=abstract)
+                   mesh=mesh if mesh is not None else learner_mesh(c), abstract=abstract,
+                   delta_source=c.rl.delta_source)
+
+
+def run_state(c: ml_collections.ConfigDict, params, opt_state, behaviour=None) -> dict[str, Any]:
+    """The checkpointed run state: parameters and optimizer state, plus with `rl.staleness` = s >= 1 the s
+    behaviour-weight snapshots its queued rollouts were sampled by (oldest first; `behaviour` None: s copies of
+    `params`' layout, for an abstract restore)."""
+    state = {"params": params, "opt_state": opt_state}
+    if c.rl.staleness:
+        state["behaviour"] = list(behaviour) if behaviour is not None else [params] * int(c.rl.staleness)
+    return state
 
 
 def checkpointer(c: ml_collections.ConfigDict, *, keep: int | None = None) -> ckpt_lib.Checkpointer:
@@ -183,7 +221,7 @@ def load_policy(c: ml_collections.ConfigDict, step: int | None = None) -> tuple[
     if ck.all_steps():
         abstract_model = nnx.eval_shape(lambda: models.Qwen3(mc, rngs=nnx.Rngs(0)))
         graphdef, params = nnx.split(abstract_model, nnx.Param)
-        abstract = {"params": params, "opt_state": jax.eval_shape(make_optimizer(optim(c)).init, params)}
+        abstract = run_state(c, params, jax.eval_shape(make_optimizer(optim(c)).init, params))
         got = ck.restore(abstract, step)
         if got is None:
             raise FileNotFoundError(f"no usable checkpoint{'' if step is None else f' at step {step}'} under "

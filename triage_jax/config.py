@@ -20,6 +20,7 @@ from triage_jax.data.tokenizers import BPE_MIN_VOCAB
 from triage_jax.models.config import PRESETS as MODEL_PRESETS, REMAT_MODES
 from triage_jax.quant import PRESETS
 from triage_jax.rl.corrections import CORRECTIONS
+from triage_jax.rl.delta import DELTA_SOURCES
 from triage_jax.rl.grpo import AGGREGATIONS
 from triage_jax.rl.monitor import ACTIONS as MONITOR_ACTIONS, MonitorConfig, monitor_config
 
@@ -128,6 +129,12 @@ def base_config() -> ml_collections.ConfigDict:
     # Routing replay (R3, MoE only): the sampler records each token's expert ids per MoE layer and every learner
     # forward over the rollout (recompute, reference, updates) routes by them, gated by its own router.
     c.rl.routing_replay = False
+    # Stale-policy (asynchronous) training (docs/rl_math.md#stale-rollouts): the rollout of step k comes from the
+    # weights of step k - staleness (0: the synchronous loop), sampled while step k - staleness updates.
+    c.rl.staleness = 0
+    # The delta the correction and TRIAGE act on (rl.delta.DELTA_SOURCES): "total" = learner(current) - sampler,
+    # "precision" = learner(behaviour weights) - sampler, "staleness" = learner(current) - learner(behaviour).
+    c.rl.delta_source = "total"
     # Each correction's settings: a sub-dict named like its registry key, defaults from its config dataclass
     # (rl.token_tis.C, rl.seq_mis.lo, rl.icepop.b, rl.triage.segment_len, ...).
     for name, correction in CORRECTIONS.items():
@@ -168,6 +175,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
     c.mesh.expert = 1
+    # > 0: the sampler gets its own data-parallel mesh of this many devices, after the learner's (a sampler and a
+    # learner sub-mesh, so a stale rollout samples while the learner updates); 0: it shares the learner's mesh.
+    c.mesh.sampler_devices = 0
     c.lock()  # new keys are typos: reject them (values stay mutable)
     return c
 
@@ -253,7 +263,11 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     if rl.micro_batch % data_axes:
         _fail("rl.micro_batch", f"{rl.micro_batch} is not divisible by the mesh axes the batch is split over "
               f"({'*'.join(f'mesh.{a}={c.mesh[a]}' for a in axes)} = {data_axes})")
+    _check_staleness(c)
     slots = int(c.sampler.max_slots) or batch
+    if int(c.mesh.sampler_devices) > 0 and slots % int(c.mesh.sampler_devices):
+        _fail("mesh.sampler_devices", f"{slots} decode slots (sampler.max_slots, 0: one per response) do not "
+              f"split over the sampler's {c.mesh.sampler_devices} devices")
     if c.sampler.max_slots < 0:
         _fail("sampler.max_slots", f"must be >= 0 (0: one slot per response), got {c.sampler.max_slots}")
     if slots % data_axes:
@@ -318,6 +332,20 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             _fail("tokenizer", f"{tok!r} does not exist (pass --config.tokenizer=/path/tokenizer.json)")
         if c.model.hf_path:
             _check_hf_config_json(os.path.join(c.model.hf_path, "config.json"))
+
+
+def _check_staleness(c: ml_collections.ConfigDict) -> None:
+    """rl.staleness is a step count; rl.delta_source names a delta that exists at that staleness."""
+    s = c.rl.staleness
+    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        _fail("rl.staleness", f"must be an integer >= 0 (0: synchronous), got {s!r}")
+    _one_of(c, "rl.delta_source", DELTA_SOURCES)
+    if c.rl.delta_source == "staleness" and s == 0:
+        _fail("rl.delta_source", "'staleness' is 0 on every token of a synchronous run (rl.staleness=0): the "
+              "correction would act on nothing; set --config.rl.staleness >= 1 or rl.delta_source='total'")
+    d = c.mesh.sampler_devices
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        _fail("mesh.sampler_devices", f"must be an integer >= 0 (0: the sampler shares the learner's mesh), got {d!r}")
 
 
 def _num_experts(c: ml_collections.ConfigDict) -> int | None:

@@ -23,7 +23,7 @@ from triage_jax.logprobs import response_logprobs
 from triage_jax.quant import PrecisionPolicy
 from triage_jax.rl import corrections as corr
 from triage_jax.rl import diagnostics, grpo
-from triage_jax.rl.delta import token_delta
+from triage_jax.rl.delta import DELTA_SOURCES, delta_anchor, delta_parts, select_delta, token_delta
 from triage_jax.rl.triage import TriageConfig, repair_loss_sum
 
 F32 = jnp.float32
@@ -42,6 +42,9 @@ class RolloutBatch:
     ref_logp: jax.Array  # float32 [N, R] (reference policy; zeros when the KL term is off)
     weights: jax.Array  # float32 [N, R] correction weights (TRIAGE alpha, TIS, ...)
     loss_mask: jax.Array  # float32 [N, R] resp_mask with the correction's dropped tokens zeroed
+    # float32 [N, R] l_ref of the delta the correction acts on (rl.delta_source: delta = old_logp - l_ref,
+    # rl.delta.delta_anchor); TRIAGE's repair term measures mean(l_th - l_ref). The sampler's log-probs by default.
+    anchor_logp: jax.Array
     routing: jax.Array | None = None  # int [N, S, L_moe, k] the sampler's expert ids, replayed (R3); None: off
 
     @property
@@ -157,7 +160,7 @@ def micro_loss(model, mb: RolloutBatch, step, denom, rep_count, tokens, s: LossS
         terms["kl_loss"] = s.kl_coef * kl_sum / denom
         loss = loss + terms["kl_loss"]
     if s.triage is not None:
-        rep_sum, _ = repair_loss_sum(mb.adv, logp, mb.sampler_logp, mb.resp_mask, step, s.triage)
+        rep_sum, _ = repair_loss_sum(mb.adv, logp, mb.anchor_logp, mb.resp_mask, step, s.triage)
         terms["repair_loss"] = rep_sum / jnp.maximum(rep_count, 1.0)
         loss = loss + terms["repair_loss"]
     if s.aux_coef:
@@ -173,14 +176,18 @@ class Learner:
     """Holds the sharded parameters and optimizer state; compiles recompute, corrections and update once per shape.
 
     Takes typed settings only (`triage_jax.build.learner` makes them from a config): the loss settings, the
-    correction, TRIAGE's thresholds for the diagnostics, the optimizer, the precision policy and the mesh.
+    correction, TRIAGE's thresholds for the diagnostics, the optimizer, the precision policy, the mesh, and which
+    delta of a stale rollout the correction acts on (`delta_source`, one of `rl.delta.DELTA_SOURCES`).
     """
 
     def __init__(self, model: nnx.Module, *, loss: LossSettings, correction: Correction, triage: TriageConfig,
                  optim: OptimSettings, policy: PrecisionPolicy, micro_batch: int, mesh, rules=shd.DEFAULT_RULES,
-                 abstract: bool = False):
+                 abstract: bool = False, delta_source: str = "total"):
         """abstract=True (with a model from `nnx.eval_shape`): params and optimizer state are sharded
         ShapeDtypeStructs, nothing is allocated; use `lower_update` (the memory dry-run)."""
+        if delta_source not in DELTA_SOURCES:
+            raise ValueError(f"Learner(delta_source={delta_source!r}): not one of {list(DELTA_SOURCES)}")
+        self.delta_source = delta_source
         self.mesh = mesh
         self.rules = rules
         self.policy = policy
@@ -210,7 +217,8 @@ class Learner:
         """(Re)build the jitted functions that read the correction or the loss settings."""
         self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
         self._loss_and_grads = jax.jit(self._loss_and_grads_impl)
-        self._prepare = jax.jit(functools.partial(prepare, correction=self.correction, triage=self.triage))
+        self._prepare = jax.jit(functools.partial(prepare, correction=self.correction, triage=self.triage,
+                                                  delta_source=self.delta_source))
 
     def set_correction(self, correction: Correction, loss: LossSettings) -> None:
         """Switch to `correction` (with the loss settings it implies: TRIAGE's repair term) from the next
@@ -258,13 +266,15 @@ class Learner:
             return self._logprobs(self.params if params is None else params, ids, am, resp_len, rt)
 
     # ------------------------------------------------------------------------------------------ corrections
-    def prepare(self, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None
-                ) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+    def prepare(self, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None,
+                behaviour_logp=None) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
         """The learner's correction and the mismatch diagnostics, in one compiled call (see `prepare`); routing
-        (or None) rides along in the batch for the updates to replay."""
+        (or None) rides along in the batch for the updates to replay; behaviour_logp (the learner's log-probs at
+        the weights that sampled a stale rollout, or None: a synchronous one) splits the mismatch."""
         return self._prepare(jnp.asarray(input_ids), jnp.asarray(attn_mask), jnp.asarray(resp_mask),
                              jnp.asarray(adv), jnp.asarray(sampler_logp), jnp.asarray(old_logp),
-                             jnp.asarray(ref_logp), None if routing is None else jnp.asarray(routing))
+                             jnp.asarray(ref_logp), None if routing is None else jnp.asarray(routing),
+                             None if behaviour_logp is None else jnp.asarray(behaviour_logp))
 
     # ------------------------------------------------------------------------------------------ update
     def _loss_and_grads_impl(self, params, mb_all: RolloutBatch, step):
@@ -348,7 +358,8 @@ class Learner:
         s = prompt_len + resp_len
         shapes = dict(input_ids=((n, s), jnp.int32), attn_mask=((n, s), jnp.bool_), resp_mask=((n, resp_len), F32),
                       adv=((n,), F32), sampler_logp=((n, resp_len), F32), old_logp=((n, resp_len), F32),
-                      ref_logp=((n, resp_len), F32), weights=((n, resp_len), F32), loss_mask=((n, resp_len), F32))
+                      ref_logp=((n, resp_len), F32), weights=((n, resp_len), F32), loss_mask=((n, resp_len), F32),
+                      anchor_logp=((n, resp_len), F32))
         return RolloutBatch(**{k: jax.ShapeDtypeStruct(shape, dt, sharding=shd.batch_sharding(
             self.mesh, len(shape), self.rules)) for k, (shape, dt) in shapes.items()})
 
@@ -358,21 +369,43 @@ class Learner:
             return self._update.lower(self.params, self.opt_state, self.abstract_batch(n, prompt_len, resp_len))
 
 
-def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None, *,
-            correction: Correction, triage: TriageConfig) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None,
+            behaviour_logp=None, *, correction: Correction, triage: TriageConfig, delta_source: str = "total"
+            ) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
     """Apply `correction` and compute the mismatch diagnostics (segmented as `triage` says).
 
-    Returns the batch ready for `Learner.update`, the metrics and delta = old_logp - sampler_logp.
+    Synchronous rollout (behaviour_logp None): delta = old_logp - sampler_logp, diagnostics under `mismatch/`.
+    Stale rollout (behaviour_logp = the learner at the weights that sampled it): delta splits into precision and
+    staleness (`rl.delta.delta_parts`), each with its diagnostics (`mismatch_precision/`, `mismatch_staleness/`,
+    the total under `mismatch/`), and the correction acts on the one `delta_source` names.
+
+    Returns the batch ready for `Learner.update`, the metrics and the total delta.
     """
-    delta = token_delta(old_logp, sampler_logp, resp_mask)
-    out = corr.apply_correction(correction.name, adv=adv, delta=delta, mask=resp_mask, cfg=correction.cfg)
+    if behaviour_logp is None:
+        if delta_source == "staleness":
+            raise ValueError("prepare(delta_source='staleness') needs behaviour_logp (a stale rollout)")
+        # Behaviour weights = current weights: delta_precision = delta_total, delta_staleness = 0.
+        delta = token_delta(old_logp, sampler_logp, resp_mask)
+        deltas = {"mismatch": delta}
+        acted, anchor = delta, sampler_logp
+    else:
+        parts = delta_parts(old_logp, behaviour_logp, sampler_logp, resp_mask)
+        delta = parts.total
+        deltas = {"mismatch": parts.total, "mismatch_precision": parts.precision,
+                  "mismatch_staleness": parts.staleness}
+        acted = select_delta(parts, delta_source)
+        anchor = delta_anchor(delta_source, parts, sampler_logp, behaviour_logp)
+    out = corr.apply_correction(correction.name, adv=adv, delta=acted, mask=resp_mask, cfg=correction.cfg)
     batch = RolloutBatch(input_ids=input_ids, attn_mask=attn_mask, resp_mask=resp_mask, adv=adv,
                          sampler_logp=sampler_logp, old_logp=old_logp, ref_logp=ref_logp, weights=out.weights,
-                         loss_mask=out.mask.astype(F32), routing=routing)
-    # b_amp / b_con use the applied weights; for TRIAGE they are its alpha, which the fast path recomputes.
+                         loss_mask=out.mask.astype(F32), anchor_logp=anchor, routing=routing)
+    # b_amp / b_con use the applied weights; for TRIAGE on the delta it acted on they are its alpha, which the fast
+    # path recomputes (any other delta of a stale rollout is weighed by the alpha that was applied).
     tcfg = correction.cfg if correction.name == "triage" else triage
-    diag = diagnostics.mismatch_metrics(adv, delta, resp_mask, tcfg,
-                                        weights=None if correction.name == "triage" else out.weights)
-    metrics = {**{f"mismatch/{k}": v for k, v in diag.items()},
-               **{f"correction/{k}": v for k, v in out.metrics.items()}}
+    metrics = {}
+    for prefix, d in deltas.items():
+        fast = correction.name == "triage" and d is acted
+        diag = diagnostics.mismatch_metrics(adv, d, resp_mask, tcfg, weights=None if fast else out.weights)
+        metrics.update({f"{prefix}/{k}": v for k, v in diag.items()})
+    metrics.update({f"correction/{k}": v for k, v in out.metrics.items()})
     return batch, metrics, delta

@@ -345,8 +345,12 @@ class Engine:
             self.load(model)
 
     def load(self, model) -> None:
-        """Use these weights from now on (the learner -> sampler sync hands the prepared model over)."""
+        """Use these weights from now on (the learner -> sampler sync hands the prepared model over). Weights held
+        on devices outside the engine's mesh (the learner's, when the sampler has a mesh of its own) are copied
+        onto it, replicated."""
         self.graphdef, self.state = split_model(model)
+        if self.mesh is not None:
+            self.state = self._on_mesh(self.state)
         self.model_cfg = nnx.merge(self.graphdef, self.state).cfg
         if self.record_routing and not self.model_cfg.is_moe:
             raise ValueError("Engine(record_routing=True) needs an MoE model; this one is dense (num_experts=0)")
@@ -386,6 +390,14 @@ class Engine:
         return jax.tree.map(lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, x.ndim, self.rules)
                                                      if x.ndim and x.shape[0] == s
                                                      else shd.replicated(self.mesh)), slots)
+
+    def _on_mesh(self, state):
+        from triage_jax import sharding as shd
+
+        mine = set(self.mesh.devices.flat)
+        if all(not isinstance(x, jax.Array) or set(x.devices()) <= mine for x in jax.tree.leaves(state)):
+            return state
+        return jax.device_put(state, shd.replicated(self.mesh))
 
     def _capacity(self, need: int) -> int:
         cap = bucket_length(need)

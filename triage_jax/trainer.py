@@ -2,10 +2,19 @@
 
 Deterministic under the config seed: the key of iteration k is fold_in(seed, k) and the prompt iterator's
 state is checkpointed with the parameters, so a run killed and resumed continues with identical numbers.
+
+Stale rollouts (`rl.staleness` = s >= 1, docs/rl_math.md#stale-rollouts): step k trains on a rollout sampled by
+the weights of step max(k - s, 0), drawn on a background thread while step k - s updated (on the sampler's own
+mesh with `mesh.sampler_devices`). The rollout of step j depends only on its behaviour weights, the seed (key
+fold_in(seed, j)) and the loader state before it, never on when it ran, so a stale run is as deterministic as a
+synchronous one; a checkpoint holds the s behaviour snapshots and the loader state before the oldest queued
+rollout, and a resumed run samples its queue again from them (`_fill_queue`), bit for bit.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -53,6 +62,20 @@ class StepResult:
     delta: np.ndarray
 
 
+@dataclasses.dataclass(frozen=True)
+class QueuedRollout:
+    """A rollout sampled ahead of its step (rl.staleness >= 1), by the weights of step `step` - s."""
+
+    step: int  # the step that trains on it
+    data_state: dict  # the prompt loader's state before it was drawn (a checkpoint stores the oldest's)
+    rollout: rollout_lib.Rollout
+    stats: dict[str, float]
+    reward_s: float  # scoring seconds
+    rollout_s: float  # sampling seconds (scoring excluded)
+    started: float  # perf_counter at its start and end (the overlap measure)
+    finished: float
+
+
 class Trainer:
     """Owns the run: data, learner, sampler copy of the weights, logs and checkpoints."""
 
@@ -85,7 +108,15 @@ class Trainer:
         self.learner = build.learner(c, model)
         self.ref_params = (jax.tree.map(jnp.copy, self.learner.params) if c.rl.kl_coef else None)
         self.sampler_policy = build.sampler_policy(c)
-        self.engine = build.engine(c, self.tok, mesh=self.learner.mesh)  # slots split like the learner's batch
+        # Slots split like the learner's batch, or over the sampler's own mesh (mesh.sampler_devices).
+        self.engine = build.engine(c, self.tok, mesh=build.sampler_mesh(c) or self.learner.mesh)
+        # Stale rollouts: the s behaviour snapshots (oldest first; the weights of steps k-s .. k-1, the initial
+        # weights before step s) and the rollouts they sampled for steps k .. k+s-1, drawn on one background thread.
+        self.staleness = int(c.rl.staleness)
+        self.behaviour = ([jax.tree.map(jnp.copy, self.learner.params)] * self.staleness)
+        self.queue: collections.deque[QueuedRollout] = collections.deque()
+        self._ahead = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+                       if self.staleness else None)
         self.loader = pipeline.make_prompt_loader(self.source, batch_size=c.rl.num_prompts, seed=c.seed,
                                                   shard_index=jax.process_index(),
                                                   shard_count=jax.process_count())
@@ -126,9 +157,16 @@ class Trainer:
                               f"--config.sampler.max_prompt_len or filter the data")
 
     def _sync(self) -> float:
-        """Learner -> sampler weights: quantize once into the sampler's policy. Returns seconds."""
+        """Learner -> sampler weights: quantize once into the sampler's policy. Returns seconds.
+
+        Stale rollouts: the engine samples while the updates donate the learner's weights, so it gets a copy
+        (`sampler_params`, which the next step keeps as its behaviour snapshot) rather than the learner's arrays
+        (unquantized modules would alias them)."""
         t0 = time.perf_counter()
-        self.sampler_model = sampler.prepare_model(self.learner.model(), self.sampler_policy)
+        params = None
+        if self.staleness:
+            self.sampler_params = params = jax.tree.map(jnp.copy, self.learner.params)
+        self.sampler_model = sampler.prepare_model(self.learner.model(params), self.sampler_policy)
         jax.block_until_ready(nnx.state(self.sampler_model))
         self.engine.load(self.sampler_model)
         return time.perf_counter() - t0
@@ -155,43 +193,81 @@ class Trainer:
                                         pad_id=self.tok.pad_id)
         return rollout_lib.spread_fill(ro, self.n_mini), stats, reward_s
 
+    # ---------------------------------------------------------------------------------------------- stale rollouts
+    def _key(self, step: int) -> jax.Array:
+        """The key of step `step`'s rollout: fold_in(seed, step), whenever and wherever it is drawn."""
+        return jax.random.fold_in(jax.random.key(self.cfg.seed), step)
+
+    def _draw_ahead(self, step: int) -> QueuedRollout:
+        """The rollout of step `step` with the engine's loaded weights (on the background thread while an update
+        runs, or in `_fill_queue`): it reads only the engine, the loader and the seed, so it is the same either way."""
+        t0 = time.perf_counter()
+        data_state = self.loader.get_state()
+        ro, stats, reward_s = self.rollout(self._key(step))
+        t1 = time.perf_counter()
+        return QueuedRollout(step, data_state, ro, stats, reward_s, t1 - t0 - reward_s, t0, t1)
+
+    def _fill_queue(self) -> float:
+        """Sample the queued rollouts a stale run needs before step k: those of steps k .. k+s-1, each by its
+        behaviour snapshot (the initial weights at the start; the checkpointed snapshots after a resume), as the
+        uninterrupted run sampled them during earlier updates. Returns seconds (0 when the queue is full)."""
+        if len(self.queue) == self.staleness:
+            return 0.0
+        t0 = time.perf_counter()
+        for i in range(len(self.queue), self.staleness):
+            self.engine.load(sampler.prepare_model(self.learner.model(self.behaviour[i]), self.sampler_policy))
+            self.queue.append(self._draw_ahead(self.step + i))
+        self.engine.load(self.sampler_model)  # the current weights again: they sample step k + s
+        return time.perf_counter() - t0
+
+    def _data_state(self) -> dict:
+        """The loader state a checkpoint of this step boundary stores: before the oldest queued rollout (a resume
+        samples the queue again from there), else the loader's own."""
+        return self.queue[0].data_state if self.queue else self.loader.get_state()
+
     # ---------------------------------------------------------------------------------------------- one step
     def train_step(self) -> StepResult:
         c = self.cfg
-        key = jax.random.fold_in(jax.random.key(c.seed), self.step)
         t_start = time.perf_counter()
-        t0 = time.perf_counter()
-        ro, stats, reward_s = self.rollout(key)
-        rollout_s = time.perf_counter() - t0 - reward_s
-
-        t0 = time.perf_counter()
-        # With rl.routing_replay the rollout carries the sampler's MoE expert ids: every learner forward replays them.
-        old_logp, entropy = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, routing=ro.routing)
-        ref_logp = (self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, params=self.ref_params,
-                                          routing=ro.routing)[0]
-                    if self.ref_params is not None else jnp.zeros_like(old_logp))
-        jax.block_until_ready((old_logp, ref_logp))
-        t1 = time.perf_counter()
-        batch, metrics, delta = self.learner.prepare(
-            input_ids=ro.input_ids, attn_mask=ro.attn_mask, resp_mask=ro.resp_mask, adv=ro.adv,
-            sampler_logp=ro.sampler_logp, old_logp=old_logp, ref_logp=ref_logp, routing=ro.routing)
-        jax.block_until_ready((batch, metrics))
-        correction_s = time.perf_counter() - t1
-        upd = []
-        for j in range(self.n_mini):
-            sl = slice(j * c.rl.mini_batch, (j + 1) * c.rl.mini_batch)
-            upd.append(self.learner.update(jax.tree.map(lambda x: x[sl], batch)))
-        upd = jax.device_get(upd)
-        energy = None
-        if c.train.energy_every and self.step % c.train.energy_every == 0:
-            # delta_energy_realized (docs/rl_math.md): D after the update minus D before, same tokens.
-            new_logp, _ = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, routing=ro.routing)
-            delta_after = token_delta(new_logp, batch.sampler_logp, batch.resp_mask)
-            energy = float(diagnostics.delta_energy_realized(delta, delta_after, batch.resp_mask))
-        learner_s = time.perf_counter() - t0
+        behaviour = ahead = None
+        if self.staleness:
+            fill_s = self._fill_queue()
+            queued = self.queue[0]
+            ro, stats, reward_s = queued.rollout, queued.stats, queued.reward_s
+            behaviour = self.behaviour[0]  # the weights that sampled `ro`
+            snapshot = self.sampler_params  # the current weights' copy (the updates donate the learner's)
+            # Step k + s's rollout, by the current weights (loaded in the engine), while this step updates.
+            ahead = self._ahead.submit(self._draw_ahead, self.step + self.staleness)
+        else:
+            t0 = time.perf_counter()
+            ro, stats, reward_s = self.rollout(self._key(self.step))
+            rollout_s = time.perf_counter() - t0 - reward_s
+        try:
+            entropy, metrics, delta, upd, energy, learner_s, correction_s = self._learn(ro, behaviour)
+        except BaseException:
+            if ahead is not None:  # back to this step boundary: the queue is sampled again from the checkpoint's
+                concurrent.futures.wait([ahead])
+                self.loader.set_state(self.queue[0].data_state)
+                self.queue.clear()
+            raise
+        out = {}
+        if ahead is not None:
+            t_join = time.perf_counter()
+            drawn = ahead.result()
+            wait_s = time.perf_counter() - t_join
+            self.queue.popleft()
+            self.queue.append(drawn)
+            self.behaviour = self.behaviour[1:] + [snapshot]
+            busy = drawn.finished - drawn.started
+            hidden = max(0.0, min(drawn.finished, t_join) - drawn.started)
+            # This step's rollout work is the one drawn ahead (step k + s), behind this step's update.
+            rollout_s, reward_s = drawn.rollout_s, drawn.reward_s
+            out.update({"time/rollout_wait": wait_s, "time/overlap_hidden": hidden,
+                        "time/overlap_frac": hidden / busy if busy > 0 else float("nan"),
+                        "time/rollout_fill": fill_s})
 
         sync_s = self._sync()
-        out = dict(stats)
+        out.update(stats)
         mask = ro.resp_mask
         out["entropy"] = float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1))
         out.update({k: float(v) for k, v in jax.device_get(metrics).items()})
@@ -206,9 +282,12 @@ class Trainer:
         out["learner/updates"] = float(self.learner.num_updates)
         skipped = int(np.sum([u["skipped_update"] for u in upd]))
         total_s = time.perf_counter() - t_start
+        # Main-thread time not in the phases: the background rollout is not on it, only the wait for it.
+        serial_s = (out["time/rollout_wait"] + out["time/rollout_fill"] if ahead is not None
+                    else rollout_s + reward_s)
         out.update({"time/rollout": rollout_s, "time/reward": reward_s, "time/learner": learner_s,
                     "time/learner_corrections": correction_s,
-                    "time/sync": sync_s, "time/orchestration": total_s - rollout_s - reward_s - learner_s - sync_s,
+                    "time/sync": sync_s, "time/orchestration": total_s - serial_s - learner_s - sync_s,
                     "time/step": total_s})
         streak = int(nonfinite_count(self.learner.opt_state))
         if skipped:
@@ -224,9 +303,44 @@ class Trainer:
                                  f"{where}")
         return StepResult(out, np.asarray(delta)[mask > 0])
 
+    def _learn(self, ro: rollout_lib.Rollout, behaviour=None):
+        """Old log-probs, corrections + diagnostics, the mini-batch updates and the energy measurement of one
+        rollout; `behaviour` (the weights that sampled a stale rollout, or None) adds the learner's log-probs at
+        them, which split the mismatch into precision and staleness."""
+        c = self.cfg
+        t0 = time.perf_counter()
+        # With rl.routing_replay the rollout carries the sampler's MoE expert ids: every learner forward replays them.
+        old_logp, entropy = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, routing=ro.routing)
+        ref_logp = (self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, params=self.ref_params,
+                                          routing=ro.routing)[0]
+                    if self.ref_params is not None else jnp.zeros_like(old_logp))
+        behaviour_logp = (None if behaviour is None else
+                          self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, params=behaviour,
+                                                routing=ro.routing)[0])
+        jax.block_until_ready((old_logp, ref_logp, behaviour_logp))
+        t1 = time.perf_counter()
+        batch, metrics, delta = self.learner.prepare(
+            input_ids=ro.input_ids, attn_mask=ro.attn_mask, resp_mask=ro.resp_mask, adv=ro.adv,
+            sampler_logp=ro.sampler_logp, old_logp=old_logp, ref_logp=ref_logp, routing=ro.routing,
+            behaviour_logp=behaviour_logp)
+        jax.block_until_ready((batch, metrics))
+        correction_s = time.perf_counter() - t1
+        upd = []
+        for j in range(self.n_mini):
+            sl = slice(j * c.rl.mini_batch, (j + 1) * c.rl.mini_batch)
+            upd.append(self.learner.update(jax.tree.map(lambda x: x[sl], batch)))
+        upd = jax.device_get(upd)
+        energy = None
+        if c.train.energy_every and self.step % c.train.energy_every == 0:
+            # delta_energy_realized (docs/rl_math.md): D after the update minus D before, same tokens (total delta).
+            new_logp, _ = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, routing=ro.routing)
+            delta_after = token_delta(new_logp, batch.sampler_logp, batch.resp_mask)
+            energy = float(diagnostics.delta_energy_realized(delta, delta_after, batch.resp_mask))
+        return entropy, metrics, delta, upd, energy, time.perf_counter() - t0, correction_s
+
     # ---------------------------------------------------------------------------------------------- state
     def _state(self) -> dict[str, Any]:
-        return {"params": self.learner.params, "opt_state": self.learner.opt_state}
+        return build.run_state(self.cfg, self.learner.params, self.learner.opt_state, self.behaviour)
 
     def _failure_save(self, data_state: dict) -> None:
         """Save the step boundary a failing step started from: only a finite state, and never in a way that hides
@@ -242,7 +356,7 @@ class Trainer:
             log.error("step %d failed, and so did saving its starting state: %s", self.step, e)
 
     def save(self, data_state: dict | None = None) -> None:
-        meta = {"step": self.step, "data": data_state or self.loader.get_state(), "seed": self.cfg.seed,
+        meta = {"step": self.step, "data": data_state or self._data_state(), "seed": self.cfg.seed,
                 "history": self.history}
         self.ckpt.save(self.step, self._state(), json.loads(json.dumps(meta, default=float)))
 
@@ -263,6 +377,9 @@ class Trainer:
             return False
         step, state, meta = got
         self.learner.params, self.learner.opt_state = state["params"], state["opt_state"]
+        if self.staleness:  # the queue is sampled again from these snapshots before the next step
+            self.behaviour = list(state["behaviour"])
+            self.queue.clear()
         self.loader.set_state(meta["data"])
         self.step = int(meta["step"])
         self.history = list(meta.get("history", []))
@@ -334,7 +451,7 @@ class Trainer:
             bar = tqdm(total=end, initial=self.step, desc="GRPO", dynamic_ncols=True)
         try:
             while self.step < end:
-                data_state = self.loader.get_state()
+                data_state = self._data_state()
                 version = self.learner.version
                 try:
                     res = self.train_step()
