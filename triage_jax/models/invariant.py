@@ -6,11 +6,12 @@ XLA's CPU kernels choose their reduction order by shape: a row of a dot over few
 measurements). Exact mode therefore
 - runs every matmul on at least `MIN_ROWS` rows and `MIN_COLS` columns (zeros appended), inputs materialized
   first, the regime where the measured dot kernels give each row the same bits whatever the row count, and
-- computes every other reduction as `tree_sum`: a zero-padded power-of-two halving tree of elementwise adds, whose
-  order is fixed by the element's index alone. Zeros past the data leave it unchanged (x + 0 = x), so a sum over
-  64 cache slots equals the sum over 2,048 when the extra slots are masked: capacity buckets do not matter.
-  Its summands are `rounded` first: the backend fuses a multiply into a following add (an FMA) wherever both
-  land in one fusion, and which ops share a fusion depends on the program.
+- computes every other reduction in a fixed order of elementwise adds: `tree_sum` (a zero-padded power-of-two
+  halving tree) or, over attention's head dim and 64-slot blocks, `chain_sum` (left to right, one fused loop).
+  Zeros past the data leave either unchanged (x + 0 = x), so a sum over 64 cache slots equals the sum over 2,048
+  when the extra slots are masked: capacity buckets do not matter. Summands are `rounded` first: the backend
+  fuses a multiply into a following add (an FMA) wherever both land in one fusion, and which ops share a fusion
+  depends on the program.
 Attention and log-softmax built from these are what the sampler and the learner both run when
 `PrecisionPolicy.exact` is set.
 """
