@@ -2,7 +2,8 @@
 
 Layout: each layer's keys and values are their own buffer (a loop-carried tuple updates every buffer in place;
 slicing a layer out of one stacked [L, ...] array copies it every step), and heads come before slots, the layout
-the attention contractions read directly ('bkgd,bksd->bkgs', 'bkgs,bksd->bkgd'): no per-step transpose.
+the attention contractions read directly (a free reshape into 64-slot blocks, 'bkqh,bknch->bknqc' and
+'bknqc,bkncd->bknqd'): no per-step transpose of the cache.
 
 Rows hold their tokens at slots [0, lengths[b]); new tokens go to slots lengths[b] + t (a scatter, so every row
 can sit at its own position: the rollout engine's slots). Bad or pad tokens of a write (mask 0) must come after
@@ -137,23 +138,30 @@ def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
     then over blocks, which keeps the result's bits independent of the capacity S in the cases measured (T = 1,
     batch 8, S >= 128) but not in all: XLA's CPU reductions choose their order by shape, so across capacity
     buckets a log-prob can differ in its last bit (tokens do not, in every test here).
+
+    Layout: the G * T queries of a KV head are one matrix dimension and the 64-slot blocks a batch dimension of
+    both contractions ('bkqh,bknch->bknqc', 'bknqc,bkncd->bknqd'), so each is a plain batched matmul over
+    (row, KV head, block): no transpose of the probabilities, 3-5x faster on CPU than blocks as a free dimension.
     """
     b, t, n, h = q_btnh.shape
     kvh, s = k_bksh.shape[1], k_bksh.shape[2]
     if s % BLOCK:
         raise ValueError(f"cached_attention: cache capacity {s} is not a multiple of {BLOCK}")
-    g = n // kvh
+    g, nb = n // kvh, s // BLOCK
     # The cache is read in its own dtype with float32 accumulation: no per-step float32 copy of the whole cache.
-    q_bkgth = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).astype(k_bksh.dtype)
-    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=F32) * scale
-    visible_bts = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= q_slot_bt[:, :, None]
-    scores = jnp.where(visible_bts[:, None, None], scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    p = jnp.exp(scores - m).reshape(b, kvh, g, t, s // BLOCK, BLOCK)
+    # Query q = g_index * T + t_index of its KV head.
+    q_bkqh = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, h).astype(k_bksh.dtype)
+    scores = jnp.einsum("bkqh,bknch->bknqc", q_bkqh, k_bksh.reshape(b, kvh, nb, BLOCK, h),
+                        preferred_element_type=F32) * scale
+    slot_1n1c = jnp.arange(s, dtype=jnp.int32).reshape(1, nb, 1, BLOCK)
+    visible_bnqc = slot_1n1c <= jnp.tile(q_slot_bt, (1, g))[:, None, :, None]
+    scores = jnp.where(visible_bnqc[:, None], scores, -jnp.inf)
+    m = jnp.max(scores, axis=(2, 4), keepdims=True)
+    p = jnp.exp(scores - m)
     # Probabilities in the cache's dtype for the value product (float32 caches: exact), float32 accumulation.
-    pv = jnp.einsum("bkgtnc,bkncd->bkgtnd", p.astype(v_bksh.dtype), v_bksh.reshape(b, kvh, s // BLOCK, BLOCK, h),
+    pv = jnp.einsum("bknqc,bkncd->bknqd", p.astype(v_bksh.dtype), v_bksh.reshape(b, kvh, nb, BLOCK, h),
                     preferred_element_type=F32)
-    num = jnp.sum(pv, axis=4)  # over blocks (a non-minor axis: one sequential sum per output)
-    den = jnp.sum(jnp.sum(p, axis=-1)[..., None], axis=4)
-    out_bkgth = num / den
-    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
+    num = jnp.sum(pv, axis=2)  # over blocks (a non-minor axis: one sequential sum per output)
+    den = jnp.sum(jnp.sum(p, axis=-1)[..., None], axis=2)
+    out_bkqh = num / den
+    return out_bkqh.reshape(b, kvh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
