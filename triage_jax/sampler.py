@@ -226,12 +226,8 @@ def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *,
 def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key, top_p, stop_s, *, st: _Static):
     """Copy prefilled prompt rows row_m into slots slot_m (slot index >= S: unused entry) and draw each sample's
     first token from its prompt's logits."""
-    p = pre.max_len
-    pos_1p = jnp.arange(p, dtype=jnp.int32)[None, :]
-
     def copy(buf_sksh, pre_bksh):
-        rows = pre_bksh[row_m].astype(buf_sksh.dtype).transpose(0, 2, 1, 3)  # [M, P, KVH, Dh]
-        return buf_sksh.at[slot_m[:, None], :, pos_1p].set(rows, mode="drop")
+        return kvc.copy_rows(buf_sksh, pre_bksh, slot_m, row_m)
 
     cache = slots.cache.replace(
         k=tuple(copy(b, q) for b, q in zip(slots.cache.k, pre.k)),

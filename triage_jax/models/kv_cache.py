@@ -107,7 +107,21 @@ def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask
         stored = new_btkh.astype(buf_bksh.dtype)
     rows_b1 = jnp.arange(buf_bksh.shape[0], dtype=jnp.int32)[:, None]
     # Advanced indices (rows, slots) around the head slice: the update is indexed [B, T, KVH, Dh], as new_btkh is.
-    return buf_bksh.at[rows_b1, :, slot_bt].set(stored, mode="drop"), scale
+    return scatter_set(buf_bksh, (rows_b1, slice(None), slot_bt), stored), scale
+
+
+def scatter_set(buf: jax.Array, index, values: jax.Array) -> jax.Array:
+    """buf.at[index].set(values, mode="drop"), moving the bits of a 1- or 2-byte float buffer (bf16, fp8) as
+    same-width unsigned integers: a copy, so the same values, but XLA:CPU scatters those types by converting the
+    whole buffer to float32 and back (two float32 copies of every layer's cache, in the decode loop and the
+    insertion); an integer scatter updates the buffer in place."""
+    dt = jnp.dtype(buf.dtype)
+    if not jnp.issubdtype(dt, jnp.floating) or dt.itemsize > 2:
+        return buf.at[index].set(values.astype(dt), mode="drop")
+    bits = {1: jnp.uint8, 2: jnp.uint16}[dt.itemsize]
+    out = jax.lax.bitcast_convert_type(buf, bits).at[index].set(
+        jax.lax.bitcast_convert_type(values.astype(dt), bits), mode="drop")
+    return jax.lax.bitcast_convert_type(out, dt)
 
 
 def read(buf_bksh: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -165,3 +179,20 @@ def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
     den = jnp.sum(jnp.sum(p, axis=-1)[..., None], axis=2)
     out_bkqh = num / den
     return out_bkqh.reshape(b, kvh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def copy_rows(buf_sksh: jax.Array, src_bksh: jax.Array, slot_m: jax.Array, row_m: jax.Array) -> jax.Array:
+    """Rows row_m of a (prefill) cache buffer into rows slot_m of `buf` at slots [0, P) (a slot index past the
+    buffer's rows: dropped). Gather and scatter move the bits as unsigned integers when both buffers hold one
+    1- or 2-byte float type (see `scatter_set`: no float32 copy of the rows or of the buffer on XLA:CPU)."""
+    p = src_bksh.shape[2]
+    pos_1p = jnp.arange(p, dtype=jnp.int32)[None, :]
+    dt = jnp.dtype(buf_sksh.dtype)
+    if jnp.dtype(src_bksh.dtype) == dt and jnp.issubdtype(dt, jnp.floating) and dt.itemsize <= 2:
+        bits = {1: jnp.uint8, 2: jnp.uint16}[dt.itemsize]
+        src = jax.lax.bitcast_convert_type(src_bksh, bits)
+        rows = jnp.take(src, row_m, axis=0).transpose(0, 2, 1, 3)  # [M, P, KVH, Dh]
+        out = jax.lax.bitcast_convert_type(buf_sksh, bits).at[slot_m[:, None], :, pos_1p].set(rows, mode="drop")
+        return jax.lax.bitcast_convert_type(out, dt)
+    rows = src_bksh[row_m].astype(dt).transpose(0, 2, 1, 3)
+    return buf_sksh.at[slot_m[:, None], :, pos_1p].set(rows, mode="drop")
