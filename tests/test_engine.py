@@ -20,9 +20,11 @@ def model():
     return Qwen3(get_model_config("tiny", num_hidden_layers=2), rngs=nnx.Rngs(0))
 
 
-def run(model, *, slots, continuous=True, steps=4, n=3, prompts=PROMPTS, key=0, max_len=128, prefill_batch=8):
+def run(model, *, slots, continuous=True, steps=4, n=3, prompts=PROMPTS, key=0, max_len=128, prefill_batch=8,
+        max_prompt_len=0):
     engine = Engine(CFG, EngineConfig(max_slots=slots, max_len=max_len, steps_per_round=steps,
-                                      prefill_batch=prefill_batch, continuous=continuous), pad_id=PAD, model=model)
+                                      prefill_batch=prefill_batch, continuous=continuous,
+                                      max_prompt_len=max_prompt_len), pad_id=PAD, model=model)
     return engine, engine.generate(prompts, jax.random.key(key), n=n)
 
 
@@ -41,6 +43,21 @@ def test_schedule_never_changes_a_request(model):
         _, out = run(model, **kw)
         for k, v in as_np(out).items():
             np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"{kw} {k}")
+
+
+def test_prefill_width_follows_the_prompt_budget(model):
+    """With max_prompt_len known, prompts prefill at its bucket (16 columns for 11 tokens, not 64) at every prefill
+    batch, so the schedule still never changes a request; the numbers agree with the 64-column prefill's to float
+    rounding (XLA's CPU dot picks its kernel by shape: the last bit can move, as across prefill batch sizes)."""
+    engine, ref = run(model, slots=15, continuous=False, max_prompt_len=11, prefill_batch=2)
+    assert engine.prompt_bucket == 16
+    for kw in (dict(slots=4), dict(slots=3, steps=7), dict(slots=5, continuous=False)):
+        _, out = run(model, max_prompt_len=11, prefill_batch=2, **kw)
+        for k, v in as_np(out).items():
+            np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"{kw} {k}")
+    _, wide = run(model, slots=15, continuous=False, prefill_batch=2)
+    np.testing.assert_array_equal(as_np(wide)["tokens"], as_np(ref)["tokens"])
+    np.testing.assert_allclose(as_np(wide)["logprobs"], as_np(ref)["logprobs"], atol=1e-5)
 
 
 def test_continuous_batching_refills_slots(model):

@@ -222,3 +222,27 @@ def test_forward_under_a_mesh_with_logical_rules():
         gd, st = nnx.split(m)
         assert "sharding_constraint" in str(jax.make_jaxpr(lambda s: nnx.merge(gd, s)(ids))(st))
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8, jnp.float32])
+def test_cache_scatters_move_bits_exactly_and_stay_in_place(dtype):
+    """kv_cache.scatter_set / copy_rows (integer views for 1- and 2-byte floats) equal the plain .at[].set, and
+    the decode-style write compiles without a float32 copy of a bf16 buffer (XLA:CPU's float scatter)."""
+    from triage_jax.models.kv_cache import copy_rows, scatter_set
+
+    rng = np.random.default_rng(0)
+    buf = jnp.asarray(rng.normal(size=(4, 2, 64, 8)), jnp.float32).astype(dtype)
+    new = jnp.asarray(rng.normal(size=(4, 3, 2, 8)), jnp.float32).astype(dtype)
+    rows_b1 = jnp.arange(4)[:, None]
+    slot_bt = jnp.asarray([[0, 1, 2], [5, 6, 7], [62, 63, 64], [10, 11, 12]], jnp.int32)  # 64: dropped
+    got = scatter_set(buf, (rows_b1, slice(None), slot_bt), new)
+    want = buf.at[rows_b1, :, slot_bt].set(new, mode="drop")
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    src = jnp.asarray(rng.normal(size=(2, 2, 16, 8)), jnp.float32).astype(dtype)
+    slot_m, row_m = jnp.asarray([3, 4, 0], jnp.int32), jnp.asarray([1, 0, 0], jnp.int32)  # slot 4: dropped
+    got = copy_rows(buf, src, slot_m, row_m)
+    want = buf.at[slot_m[:, None], :, jnp.arange(16)[None]].set(src[row_m].transpose(0, 2, 1, 3), mode="drop")
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    if dtype == jnp.bfloat16:
+        hlo = jax.jit(lambda b, n: scatter_set(b, (rows_b1, slice(None), slot_bt), n)).lower(buf, new).compile()
+        assert "f32[4,2,64,8]" not in hlo.as_text()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from triage_jax.rl import group_advantages, overlong_penalty
-from triage_jax.rollout import Rollout, collect, spread_fill
+from triage_jax.rollout import Rollout, collect, layout, prompt_width, spread_fill, trim_prompt_padding
 
 G, P, R = 4, 3, 8
 
@@ -72,3 +72,26 @@ def test_spread_fill_balances_real_rows(n_real, n_mini):
     assert per.sum() == n_real and per.max() - per.min() <= 1
     assert sorted(out.input_ids[:, 0].tolist()) == sorted(ro.input_ids[:, 0].tolist())  # a permutation
     np.testing.assert_array_equal(out.input_ids[out.real][:, 0], ro.input_ids[real][:, 0])  # real order kept
+
+
+def test_trim_prompt_padding_keeps_every_token_and_cuts_the_shared_left_padding():
+    """The learner's rows lose only prompt columns that are padding in every row, down to the longest prompt's
+    granule (multiples of 8 up to 64 columns, 4 widths per octave above); the response columns stay."""
+    assert [prompt_width(n, 2048) for n in (0, 1, 8, 9, 13, 17, 64, 65, 100, 1500)] == \
+        [8, 8, 8, 16, 16, 24, 64, 80, 112, 1536]
+    assert prompt_width(13, 12) == 12
+    prompts = [[1, 2, 3], [4] * 11, [5, 6]]
+    tokens = np.arange(3 * R, dtype=np.int32).reshape(3, R) + 10
+    mask = np.arange(R)[None] < np.array([[2], [8], [5]])
+    ids, attn = layout(prompts, tokens, mask, prompt_len=32, pad_id=0)
+    ro = Rollout(input_ids=ids, attn_mask=attn, resp_mask=mask.astype(np.float32), sampler_logp=-mask.astype(np.float32),
+                 rewards=np.zeros(3, np.float32), correct=np.zeros(3, bool), lengths=mask.sum(1),
+                 adv=np.zeros(3, np.float32), real=np.ones(3, bool),
+                 routing=np.arange(3 * (32 + R), dtype=np.int8).reshape(3, 32 + R, 1, 1))
+    out = trim_prompt_padding(ro)
+    assert out.input_ids.shape == (3, 16 + R) and out.routing.shape == (3, 16 + R, 1, 1)
+    np.testing.assert_array_equal(out.input_ids, ids[:, 16:])
+    np.testing.assert_array_equal(out.attn_mask, attn[:, 16:])
+    np.testing.assert_array_equal(out.routing, ro.routing[:, 16:])
+    assert out.attn_mask.sum() == attn.sum() and out.resp_mask is ro.resp_mask
+    assert trim_prompt_padding(out).input_ids.shape == out.input_ids.shape  # already trimmed

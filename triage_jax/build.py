@@ -110,7 +110,8 @@ def engine(c: ml_collections.ConfigDict, tok, model=None, *, mesh=None):
     slots = c.sampler.max_slots or c.rl.num_prompts * c.rl.group_size
     return Engine(sampling(c, tok), EngineConfig(
         max_slots=slots, max_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens,
-        steps_per_round=c.sampler.steps_per_round, prefill_batch=c.sampler.prefill_batch),
+        steps_per_round=c.sampler.steps_per_round, prefill_batch=c.sampler.prefill_batch,
+        max_prompt_len=c.sampler.max_prompt_len),
         policy=sampler_policy(c), pad_id=tok.pad_id, model=model, mesh=mesh, record_routing=c.rl.routing_replay)
 
 

@@ -160,6 +160,29 @@ def collect(draw: Callable[[int], Rollout], *, num_prompts: int, group_size: int
     return ro, stats
 
 
+def prompt_width(longest: int, prompt_len: int) -> int:
+    """The prompt columns the learner keeps: the longest prompt rounded up to a granule of >= 8 columns that
+    doubles with each octave (<= 4 widths per octave, so few compiled shapes), at most `prompt_len`."""
+    longest = max(int(longest), 1)
+    granule = max(8, 1 << max(longest.bit_length() - 3, 0))
+    return min(int(prompt_len), -(-longest // granule) * granule)
+
+
+def trim_prompt_padding(ro: Rollout) -> Rollout:
+    """The rollout without the prompt's leading columns that hold no token in any row (left padding past the
+    longest prompt, see `prompt_width`): the learner's forwards cost what the prompts hold, not
+    config.sampler.max_prompt_len. Every real token keeps its position (RoPE positions count real tokens), so
+    only the padding that no query attends to goes."""
+    resp = ro.resp_mask.shape[1]
+    p = ro.input_ids.shape[1] - resp
+    longest = int(ro.attn_mask[:, :p].sum(axis=1).max(initial=0))
+    cut = p - prompt_width(longest, p)
+    if cut <= 0:
+        return ro
+    return dataclasses.replace(ro, input_ids=ro.input_ids[:, cut:], attn_mask=ro.attn_mask[:, cut:],
+                               routing=None if ro.routing is None else ro.routing[:, cut:])
+
+
 def spread_fill(ro: Rollout, num_minibatches: int) -> Rollout:
     """Reorder rows so every mini-batch holds a near-equal share of the real rows (and of the fill rows).
 

@@ -45,7 +45,8 @@ from triage_jax.models import kv_cache as kvc
 from triage_jax.models.moe import routing_dtype
 from triage_jax.quant import PrecisionPolicy
 
-MIN_BUCKET = kvc.BLOCK  # the smallest prompt / capacity bucket
+MIN_BUCKET = kvc.BLOCK  # the smallest cache capacity bucket
+MIN_PROMPT_BUCKET = 8  # the smallest prefill width (its cache still holds MIN_BUCKET slots)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,7 +203,8 @@ def _empty_slots(model_cfg, slots: int, capacity: int, st: _Static, kv_format: s
 @functools.partial(jax.jit, static_argnames=("graphdef", "policy", "capacity", "kv_format", "record_routing"))
 def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *, policy, capacity, kv_format,
              record_routing=False):
-    """Right-padded prompts [PB, Pb] into a fresh cache (the engine's FP8 scales, if set): their KV, the
+    """Right-padded prompts [PB, Pb] into a fresh cache of `capacity` slots (a multiple of 64, >= Pb; the
+    engine's FP8 scales, if set): their KV, the
     scaled logits after each prompt's last token and, when recording routing, the prompt tokens' expert ids
     [PB, Pb, L_moe, k] (compact, -1 on pads; else None)."""
     model = nnx.merge(graphdef, state)
@@ -224,12 +226,8 @@ def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *,
 def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key, top_p, stop_s, *, st: _Static):
     """Copy prefilled prompt rows row_m into slots slot_m (slot index >= S: unused entry) and draw each sample's
     first token from its prompt's logits."""
-    p = pre.max_len
-    pos_1p = jnp.arange(p, dtype=jnp.int32)[None, :]
-
     def copy(buf_sksh, pre_bksh):
-        rows = pre_bksh[row_m].astype(buf_sksh.dtype).transpose(0, 2, 1, 3)  # [M, P, KVH, Dh]
-        return buf_sksh.at[slot_m[:, None], :, pos_1p].set(rows, mode="drop")
+        return kvc.copy_rows(buf_sksh, pre_bksh, slot_m, row_m)
 
     cache = slots.cache.replace(
         k=tuple(copy(b, q) for b, q in zip(slots.cache.k, pre.k)),
@@ -306,11 +304,16 @@ class EngineConfig:
     steps_per_round: int = 8
     prefill_batch: int = 8
     continuous: bool = True
+    # The longest prompt expected (0: not known): prompts are prefilled at least at its power-of-two bucket
+    # (>= MIN_PROMPT_BUCKET), else at least MIN_BUCKET columns wide.
+    max_prompt_len: int = 0
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_len < 0:
+            raise ValueError(f"EngineConfig.max_prompt_len must be >= 0 (0: not known), got {self.max_prompt_len}")
 
 
 class Engine:
@@ -333,6 +336,8 @@ class Engine:
                                  f"{self.shards} batch shards of mesh {dict(mesh.shape)}")
         # prefill_batch rows per shard: the prefill's per-device shape, like the decode's, is the device count's.
         self.prefill_batch = config.prefill_batch * self.shards
+        self.prompt_bucket = (min(bucket_length(config.max_prompt_len, MIN_PROMPT_BUCKET), MIN_BUCKET)
+                              if config.max_prompt_len else MIN_BUCKET)  # the narrowest prefill
         self.policy = policy or PrecisionPolicy()
         self.st = _static(cfg, pad_id, self.policy.exact)
         self.pad_id = int(pad_id)
@@ -458,9 +463,12 @@ class Engine:
                     need = int(host_len[[t[0] for t in items]].max()) + 1
                     if need > slots.cache.max_len or pre[0].max_len > slots.cache.max_len:
                         slots = _resize(slots, capacity=self._capacity(max(need, pre[0].max_len)))
-                    slot_m = np.full(s, s, np.int32)
-                    row_m = np.zeros(s, np.int32)
-                    req_m = np.zeros(s, np.int32)
+                    # A power-of-two number of entries (unused ones dropped): the copy moves what the prefill
+                    # batch fills, not every slot, with one compiled insert per bucket.
+                    m_bucket = min(bucket_length(len(items), 1), s)
+                    slot_m = np.full(m_bucket, s, np.int32)
+                    row_m = np.zeros(m_bucket, np.int32)
+                    req_m = np.zeros(m_bucket, np.int32)
                     for m, (slot, row, req) in enumerate(items):
                         slot_m[m], row_m[m], req_m[m] = slot, row, req
                     slots = _insert(slots, pre[0], pre[1], jnp.asarray(slot_m), jnp.asarray(row_m),
@@ -480,7 +488,11 @@ class Engine:
             for slot in occupied:
                 host_len[slot] = len(prompts[owner[slot] // n]) + n_gen[slot] - 1
             if finished:
-                toks, logps, exps = jax.device_get(_harvest(slots, jnp.asarray(finished, jnp.int32)))
+                # A power-of-two count of slot indices (repeats of the last): one compiled gather per bucket,
+                # not one per number of finished slots.
+                idx = np.full(min(bucket_length(len(finished), 1), s), finished[-1], np.int32)
+                idx[:len(finished)] = finished
+                toks, logps, exps = jax.device_get(_harvest(slots, jnp.asarray(idx)))
                 for k, slot in enumerate(finished):
                     req = owner.pop(slot)
                     out_tok[req], out_logp[req], out_len[req] = toks[k], logps[k], n_gen[slot]
@@ -509,7 +521,12 @@ class Engine:
     def _prefill(self, prompts, which, slots: Slots):
         """Prefill prompts `which` (a fixed batch of `prefill_batch` rows, unused ones padding)."""
         pb = self.prefill_batch
-        p = bucket_length(max(len(prompts[i]) for i in which))
+        # The prefill width never goes below the engine's prompt bucket (the one of max_prompt_len, when known),
+        # so a prompt's numbers do not depend on the lengths of the prompts batched with it; that bucket can be
+        # shorter than the cache's 64-slot granule (the prompt is computed at it and written into a fresh cache of
+        # the granule's capacity): a 32-token prompt budget prefills 32 columns, not 64.
+        p = bucket_length(max(len(prompts[i]) for i in which), self.prompt_bucket)
+        capacity = -(-p // kvc.BLOCK) * kvc.BLOCK
         ids = np.full((pb, p), self.pad_id, np.int32)
         mask = np.zeros((pb, p), bool)
         mask[len(which):, 0] = True  # padding rows hold one token, so every row has a last position
@@ -519,7 +536,7 @@ class Engine:
         temperature, _, _ = _hyper(self.cfg)
         self.prefills += 1
         return _prefill(self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), slots.cache.k_scale,
-                        slots.cache.v_scale, temperature, policy=self.policy, capacity=p,
+                        slots.cache.v_scale, temperature, policy=self.policy, capacity=capacity,
                         kv_format=self.policy.kv_cache, record_routing=self.record_routing)
 
 

@@ -191,7 +191,9 @@ class Trainer:
                                         dynamic_sampling=c.rl.dynamic_sampling, max_resample=c.rl.max_resample,
                                         std_normalize=c.rl.std_normalize, prompt_len=self.P, resp_len=self.R,
                                         pad_id=self.tok.pad_id)
-        return rollout_lib.spread_fill(ro, self.n_mini), stats, reward_s
+        # The learner's rows keep only the prompt columns some prompt fills (the forwards cost what they hold).
+        ro = rollout_lib.trim_prompt_padding(rollout_lib.spread_fill(ro, self.n_mini))
+        return ro, stats, reward_s
 
     # ---------------------------------------------------------------------------------------------- stale rollouts
     def _key(self, step: int) -> jax.Array:
