@@ -43,8 +43,8 @@ class Attention(nnx.Module):
         Returns y_btd, or (y_btd, cache) when a cache is given.
         """
         exact = policy is not None and policy.exact
-        q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd, policy), policy), cos_bth, sin_bth)
-        k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd, policy), policy), cos_bth, sin_bth)
+        q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd, policy), policy), cos_bth, sin_bth, exact)
+        k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd, policy), policy), cos_bth, sin_bth, exact)
         v_btkh = self.v_proj(x_btd, policy)
         q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
         if cache is not None:

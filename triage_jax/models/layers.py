@@ -115,8 +115,10 @@ def rope_cos_sin(positions_bt: jax.Array, head_dim: int, theta: float, dtype) ->
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
-    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, broadcast over heads."""
+def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, exact: bool = False) -> jax.Array:
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, broadcast over heads; exact: both products `rounded`
+    (XLA fuses one of them into the add as an FMA in some programs and not in others)."""
     half = x_btnh.shape[-1] // 2
     rot = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
-    return x_btnh * cos_bth[:, :, None, :] + rot * sin_bth[:, :, None, :]
+    a, b = x_btnh * cos_bth[:, :, None, :], rot * sin_bth[:, :, None, :]
+    return invariant.rounded(a) + invariant.rounded(b) if exact else a + b
