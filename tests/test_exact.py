@@ -96,6 +96,19 @@ def test_products_are_rounded_before_a_tree_sum_adds_them():
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, b: invariant.tree_sum(a * b))(a, b)), by_hand)
 
 
+def test_exact_rope_rounds_both_products_before_adding_them():
+    from triage_jax.models.layers import apply_rope, rope_cos_sin
+
+    x = jax.random.normal(jax.random.key(0), (2, 300, 4, 64))
+    cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(300), (2, 300)), 64, 1e6, jnp.float32)
+    xn, c, s = np.asarray(x), np.asarray(cos)[:, :, None], np.asarray(sin)[:, :, None]
+    rot = np.concatenate([-xn[..., 32:], xn[..., :32]], axis=-1)
+    by_hand = (xn * c).astype(np.float32) + (rot * s).astype(np.float32)
+    assert not np.array_equal(np.asarray(jax.jit(apply_rope)(x, cos, sin)), by_hand)  # XLA contracts one product
+    exact = jax.jit(lambda *a: apply_rope(*a, exact=True))(x, cos, sin)
+    np.testing.assert_array_equal(np.asarray(exact), by_hand)
+
+
 def test_exact_attention_gradient_matches_default_attention():
     q = jax.random.normal(jax.random.key(0), (2, 5, 4, 8))
     k, v = (jax.random.normal(jax.random.key(i), (2, 2, 5, 8)) for i in (1, 2))
