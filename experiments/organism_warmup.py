@@ -1,6 +1,6 @@
 """Warm-up curve of a config's supervised warm-up: held-out avg@1 per synthetic level at snapshot steps.
 
-    python experiments/organism_warmup.py --snapshots=200,400,800 --set warmup.steps=800 --set warmup.batch_size=16
+    python experiments/organism_warmup.py --snapshots=75,100,125,150 --n_eval=64
 
 Trains the config's warm-up once (warmup.train_sft: its schedule, batches and seed) and, at each snapshot,
 samples one response per held-out problem of each level with the run's sampler precision at the run's

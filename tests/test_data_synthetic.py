@@ -85,7 +85,7 @@ def test_short_template_is_compact_and_char_encodable():
 
 def test_bad_arguments_fail_clearly():
     with pytest.raises(ValueError, match="levels"):
-        SyntheticMathSource(5, levels=(7,))
+        SyntheticMathSource(5, levels=(8,))
     with pytest.raises(ValueError, match="unknown prompt template"):
         SyntheticMathSource(5, template="nope")
     with pytest.raises(ValueError, match="style"):
@@ -158,6 +158,28 @@ def test_story_steps_chain_true_equations_to_the_answer():
             x = int(eqs[-1][3])
         assert x == p.answer >= 0 and eval(p.expression) == p.answer  # noqa: S307 - digits and + - * / ( )
         assert p.words.endswith("have now?")
+
+
+_COUNT_STEP = re.compile(r"^(\d+)\+(\d)=(\d+)$")
+
+
+def test_count_up_adds_line_by_line_until_over_the_limit():
+    from triage_jax.data.synthetic import COUNT_UP_LIMIT
+
+    src = SyntheticMathSource(300, seed=7, levels=(7,), template="short", style="words")
+    for i in range(len(src)):
+        p = src.problem(i)
+        a, b = p.operands
+        assert src[i].prompt == f"Q: Start at {a} and add {b} until the total is over {COUNT_UP_LIMIT}. A:"
+        assert 10 <= a < 40 and 6 <= b <= 9 and 7 <= len(p.steps) <= 16
+        x = a
+        for line in p.steps:
+            assert x <= COUNT_UP_LIMIT
+            u, v, w = (int(g) for g in _COUNT_STEP.match(line).groups())
+            assert (u, v, w) == (x, b, x + b)
+            x = w
+        assert x == p.answer > COUNT_UP_LIMIT and eval(p.expression) == p.answer  # noqa: S307 - digits, + and *
+        assert solution_text(p) == "\n".join(p.steps) + f"\nAnswer: {p.answer}"
 
 
 @pytest.mark.parametrize("level", LONG_LEVELS)

@@ -98,3 +98,35 @@ def test_update_reports_every_alarm_and_their_max():
 def test_bad_settings_fail_naming_them(settings, match):
     with pytest.raises((ValueError, TypeError), match=match):
         monitor_config({"enabled": True, "action": "none", **settings})
+
+
+def test_collapse_rule_accuracy_below_half_its_peak_for_20_steps():
+    from triage_jax.rl.monitor import collapsed
+
+    rise = [{"step": s, "reward/accuracy": 0.1 + 0.02 * s} for s in range(10)]  # peak 0.28 at step 9
+    dip = [{"step": 10 + s, "reward/accuracy": 0.1} for s in range(19)]  # below 0.14 for 19 steps only
+    assert collapsed(rise + dip) == (False, None)
+    back = [{"step": 29, "reward/accuracy": 0.2}]  # the run breaks
+    fall = [{"step": 30 + s, "reward/accuracy": 0.05} for s in range(20)]
+    assert collapsed(rise + dip + back + fall) == (True, 30)
+    assert collapsed(rise + dip + [{"step": 29, "reward/accuracy": 0.0}]) == (True, 10)
+    # NaN / missing steps are skipped; a run that never reached min_peak never collapses
+    gappy = rise + [{"step": 10 + s, "reward/accuracy": 0.1 if s % 2 else float("nan")} for s in range(40)]
+    assert collapsed(gappy) == (True, 11)
+    assert collapsed([{"reward/accuracy": 0.04}] + [{"reward/accuracy": 0.0}] * 30) == (False, None)
+    assert collapsed([{"reward/accuracy": 0.5}] + [{"reward/accuracy": 0.2}] * 30, patience=5) == (True, 1)
+
+
+def test_collapse_rule_delta_q05_bound():
+    from triage_jax.rl.monitor import collapsed
+
+    rows = [{"step": s, "reward/accuracy": 0.4, "mismatch/delta_q05": -0.5} for s in range(5)]
+    rows += [{"step": 5, "reward/accuracy": 0.4, "mismatch/delta_q05": -12.0}]
+    assert collapsed(rows) == (True, 5)
+    assert collapsed(rows, q05_patience=2) == (False, None)
+    assert collapsed(rows, q05_bound=-20.0) == (False, None)
+    assert collapsed([{"reward/accuracy": 0.4, "delta_q05": -11.0}]) == (True, 0)  # the bare name works too
+    with pytest.raises(ValueError, match="patience"):
+        collapsed(rows, patience=0)
+    with pytest.raises(ValueError, match="drop"):
+        collapsed(rows, drop=1.5)

@@ -79,7 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.path = ""  # DAPO-Math-17k parquet/jsonl when source == "dapo"
     c.data.template = "short"  # "short" or "dapo"
     c.data.style = ""  # synthetic problem text: "words", "symbolic", or "" for the template's default
-    c.data.levels = (1,)  # synthetic levels: 1-4 short answers, 5-6 step-by-step chains (data.synthetic)
+    c.data.levels = (1,)  # synthetic levels: 1-4 short answers, 5-7 step-by-step chains (data.synthetic)
     c.data.num_examples = 20000
     c.data.max_bad_fraction = 0.01
 

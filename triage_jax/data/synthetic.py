@@ -12,6 +12,8 @@ The long-chain levels (LONG_LEVELS) have solutions of 64-256 BPE tokens, one ste
 
   level 5  a+b of 3..6-digit numbers, written column by column with carries
   level 6  a story of 3..4 events (buy packs, give, receive, lose, double, share), one worked sentence per event
+  level 7  count up: start at a (10..39), add b (6..9) line by line until the total is over 100 (7-16 lines);
+           every step reads only the previous line, so a small model learns it in minutes (the CPU organism)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from triage_jax.data.records import MathExample
 from triage_jax.data.templates import get_template
 
 LEVELS = (1, 2, 3, 4)  # the short levels: the default mixture
-LONG_LEVELS = (5, 6)  # step-by-step chains (the model organism's task)
+LONG_LEVELS = (5, 6, 7)  # step-by-step chains (the model organism's task)
 ALL_LEVELS = LEVELS + LONG_LEVELS
 STYLES = ("words", "symbolic")
 # The style each template reads best with; other templates default to words.
@@ -224,7 +226,21 @@ def _level6(rng: np.random.Generator, name: str, item: str) -> ArithmeticProblem
     return ArithmeticProblem(6, f"story{n_events}", (start,), expression, words, tuple(steps), x, step_sep="\n")
 
 
-_MAKERS = {1: _level1, 2: _level2, 3: _level3, 4: _level4, 5: _level5, 6: _level6}
+COUNT_UP_LIMIT = 100  # level 7 adds until the total is over this
+
+
+def _level7(rng: np.random.Generator, name: str, item: str) -> ArithmeticProblem:
+    """Count up: `x+b=y` per line from a until y > COUNT_UP_LIMIT; each line depends only on the one before."""
+    a, b = int(rng.integers(10, 40)), int(rng.integers(6, 10))
+    steps, x = [], a
+    while x <= COUNT_UP_LIMIT:
+        steps.append(f"{x}+{b}={x + b}")
+        x += b
+    words = f"Start at {a} and add {b} until the total is over {COUNT_UP_LIMIT}."
+    return ArithmeticProblem(7, "count up", (a, b), f"{a}+{b}*{len(steps)}", words, tuple(steps), x, step_sep="\n")
+
+
+_MAKERS = {1: _level1, 2: _level2, 3: _level3, 4: _level4, 5: _level5, 6: _level6, 7: _level7}
 
 
 def _check_levels(levels: Sequence[int]) -> tuple[int, ...]:

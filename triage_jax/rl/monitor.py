@@ -171,3 +171,48 @@ def first_alarms(history: Sequence[Mapping[str, float]], cfg: MonitorConfig, lev
         if first["any"] is None and alarms["alarm/level"] >= level:
             first["any"] = step
     return first
+
+
+ACCURACY_KEY = "reward/accuracy"  # the trainer's rollout accuracy (every drawn response)
+
+
+def collapsed(history: Sequence[Mapping[str, float]], *, patience: int = 20, drop: float = 0.5,
+              min_peak: float = 0.05, q05_bound: float = -10.0, q05_patience: int = 1
+              ) -> tuple[bool, int | None]:
+    """The collapse rule of the organism studies: (collapsed, the step it began) over a logged history.
+
+    A run has collapsed when its rollout accuracy (`reward/accuracy`) stays below `drop` x its running peak
+    (the max so far, counted once it reaches `min_peak`) for `patience` consecutive steps, or when `delta_q05`
+    (`mismatch/delta_q05`) stays below `q05_bound` for `q05_patience` consecutive steps (the paper's collapsed
+    runs end with delta_q05 of -10 to -43). The step returned is the first step of the run of steps that
+    confirmed it (the onset), for the criterion confirmed first; (False, None) when neither is. A step whose
+    value is missing or not finite is skipped by that criterion (it neither counts nor breaks a run). Steps are
+    `metrics["step"]`, else the row index.
+    """
+    if not (isinstance(patience, int) and patience >= 1 and isinstance(q05_patience, int) and q05_patience >= 1):
+        raise ValueError(f"patience and q05_patience must be ints >= 1, got {patience!r}, {q05_patience!r}")
+    if not 0 < drop < 1:
+        raise ValueError(f"drop must be in (0, 1), got {drop}")
+    peak = -math.inf
+    acc_run: list[int] = []
+    q05_run: list[int] = []
+    for i, metrics in enumerate(history):
+        step = int(metrics.get("step", i))
+        try:
+            acc = float(metrics.get(ACCURACY_KEY, float("nan")))
+        except (TypeError, ValueError):
+            acc = float("nan")
+        if math.isfinite(acc):
+            peak = max(peak, acc)
+            if peak >= min_peak and acc < drop * peak:
+                acc_run.append(step)
+            else:
+                acc_run = []
+            if len(acc_run) >= patience:
+                return True, acc_run[0]
+        q05 = watched(metrics, "delta_q05")
+        if math.isfinite(q05):
+            q05_run = q05_run + [step] if q05 < q05_bound else []
+            if len(q05_run) >= q05_patience:
+                return True, q05_run[0]
+    return False, None
