@@ -57,7 +57,7 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("warmup.steps", 0, "warmup.steps"),
         ("warmup.batch_size", 0, "warmup.batch_size"),
         ("rl.max_resample", -1, "rl.max_resample"),
-        ("data.levels", (1, 7), "data.levels"),
+        ("data.levels", (1, 99), "data.levels"),  # 99: no such synthetic level
         ("data.levels", (), "data.levels"),
         ("data.style", "latex", "data.style"),
         ("monitor.window", 1, "monitor.window"),
