@@ -7,6 +7,7 @@ they read configs, warm-up caches and TensorBoard logs the same way. Everything 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -70,15 +71,33 @@ def absolute_paths(c):
     return c
 
 
-def enable_compile_cache(path: str) -> None:
-    """JAX's persistent compilation cache in `path`: runs that differ only in their seed (or a rerun of a study)
-    load the compiled learner and sampler from disk instead of recompiling them."""
-    import jax
+@contextlib.contextmanager
+def compile_cache(path: str):
+    """JAX's persistent compilation cache in `path` while the block runs (no-op for ''): runs that differ only in
+    their seed (or a rerun of a study) load the compiled learner and sampler from disk instead of recompiling them.
 
+    The previous settings come back on exit, so a study called in-process (the tests) does not leave every later
+    compilation of that process writing to its cache folder.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    if not path:
+        yield
+        return
     os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    before = {k: getattr(jax.config, k) for k in keys}
+    for k, v in zip(keys, (path, 0.0, 0)):
+        jax.config.update(k, v)
+    cc.reset_cache()  # JAX opens its cache once per process: forget any folder opened before
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
 
 
 # ------------------------------------------------------------------------------------------------ warm-up

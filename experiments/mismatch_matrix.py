@@ -392,14 +392,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.compile_cache:
-        common.enable_compile_cache(args.compile_cache)
     t0 = time.perf_counter()
     if args.replot:
         with open(os.path.join(args.out, "mismatch_matrix.json")) as f:
             report = json.load(f)
     else:
-        report = run(args)
+        with common.compile_cache(args.compile_cache):
+            report = run(args)
         report["total_s"] = time.perf_counter() - t0
     text = ("## mean |delta| (learner log-prob - sampler log-prob), start of RL\n\n"
             "Measured value +- its standard error over responses. 'min z' below: the smallest measured difference "

@@ -352,9 +352,8 @@ def main(argv=None) -> int:
     if args.replot:
         study, total = load_study(os.path.join(args.results, f"{args.tag}.json"), args)
     else:
-        if args.compile_cache:
-            common.enable_compile_cache(args.compile_cache)
-        study = run_study(args, log)
+        with common.compile_cache(args.compile_cache):
+            study = run_study(args, log)
         total = time.perf_counter() - t0
     table = results_table(study, args)
     base = study["warmup_eval"]

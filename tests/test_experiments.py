@@ -293,3 +293,24 @@ def test_scripts_have_a_cli_help():
         r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "usage" in r.stdout, r.stderr
+
+
+def test_compile_cache_is_scoped_to_its_block(tmp_path):
+    """A study run in-process caches its programs, and compilations after it no longer write there (the test
+    suite's later tests once all wrote to a study's cache folder, and one of those writes crashed the process)."""
+    import jax
+    import jax.numpy as jnp
+
+    before = jax.config.jax_compilation_cache_dir
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # so a leaked cache would take any program
+    try:
+        with common.compile_cache(str(tmp_path / "cache")):
+            jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)(jnp.arange(7.0)).block_until_ready()
+            inside = set(os.listdir(tmp_path / "cache"))
+        assert inside, "nothing was cached inside the block"
+        jax.jit(lambda x: jnp.cos(x) * 5.0 - 2.5)(jnp.arange(9.0)).block_until_ready()
+        assert set(os.listdir(tmp_path / "cache")) == inside
+        assert jax.config.jax_compilation_cache_dir == before
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
