@@ -11,6 +11,8 @@ Arms (docs/rl_math.md#corrections; every NVFP4 arm samples with the W4A4 NVFP4 s
   nvfp4_triage      NVFP4 + TRIAGE (gate + bounded repair)
   triage_no_repair  ablation: TRIAGE with lambda_rep = 0
   tis_from_branch   ablation: the nvfp4 run's checkpoint at --branch_step, continued with TIS switched on
+  opsm              NVFP4 + off-policy sequence masking (DeepSeek-V3.2; rl.opsm.delta)
+  exact             control: W4A4 on both sides in exact mode (learner.exact): quantized, but delta = 0
 
 Arms run one after another in this process, seed by seed; all seeds start from one cached supervised warm-up
 (seed --warmup_seed). Each run's TensorBoard logs, checkpoints and history.json go under
@@ -42,6 +44,9 @@ ARMS = {
     "nvfp4_triage": {"sampler.precision": "w4a4", "rl.correction": "triage"},
     "triage_no_repair": {"sampler.precision": "w4a4", "rl.correction": "triage", "rl.triage.lambda_rep": 0.0},
     "tis_from_branch": {"sampler.precision": "w4a4", "rl.correction": "token_tis", "rl.token_tis.C": 2.0},
+    "opsm": {"sampler.precision": "w4a4", "rl.correction": "opsm"},
+    "exact": {"sampler.precision": "w4a4", "learner.precision": "w4a4", "learner.exact": True,
+              "rl.correction": "none"},
 }
 BRANCH_PARENT = {"tis_from_branch": "nvfp4"}
 
@@ -55,9 +60,9 @@ CURVES = (
     ("reward/accuracy", "rollout accuracy"),
 )
 
-# Settings shared by every arm. segment_len 8: the tiny task's responses are <= 24 tokens, so the paper's 64-token
-# segments would hold a whole response and tail persistence (adjacent segments) would be undefined.
-COMMON = {"rl.triage.segment_len": 8, "train.progress": False}
+# Settings shared by every arm. TRIAGE's segment length is the config's own (configs/tiny.py sets 8: its responses
+# are <= 24 tokens, so 64-token segments would hold a whole response; configs/organism.py keeps the paper's 64).
+COMMON = {"train.progress": False}
 
 DEFAULTS = dict(steps=240, seeds="0,1,2", num_prompts=8, group_size=8, eval_problems=64, eval_n=8, ks="1,8")
 QUICK = dict(steps=4, seeds="0,1,2", num_prompts=4, group_size=4, eval_problems=16, eval_n=4, ks="1,4")
@@ -78,6 +83,11 @@ def parse_args(argv=None):
     p.add_argument("--ks", default=None, help="k values of pass@k (each <= eval_n)")
     p.add_argument("--eval_top_p", type=float, default=0.7, help="nucleus sampling of the eval (DAPO: 0.7)")
     p.add_argument("--eval_reward", default="math_verify", choices=("math_verify", "dapo"))
+    p.add_argument("--fp4", default="w4a4",
+                   help="the preset of every quantized arm's sampler (and the exact arm's learner), e.g. w4a4_mx")
+    p.add_argument("--qset", dest="quantized_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override applied to the quantized arms only (repeatable), e.g. "
+                        "sampler.rules=\"('lm_head$=w4a4',)\"")
     p.add_argument("--warmup_seed", type=int, default=0, help="the seed whose cached warm-up every run starts from")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every arm (repeatable)")
@@ -118,7 +128,12 @@ def parse_args(argv=None):
         p.error(f"--ks: every k must be in [1, eval_n={args.eval_n}], got {args.ks}")
     if args.smooth is not None and args.smooth < 1:
         p.error(f"--smooth must be >= 1, got {args.smooth}")
+    from triage_jax.quant.policy import PRESETS
+
+    if args.fp4 not in PRESETS:
+        p.error(f"--fp4: unknown preset {args.fp4!r}; choose from {list(PRESETS)}")
     args.overrides = common.parse_overrides(p, args.overrides)
+    args.quantized_overrides = common.parse_overrides(p, args.quantized_overrides)
     args.tag = args.tag or ("stability_quick" if args.quick else "stability")
     # Per tag, so a --quick run never wipes the default study's runs (which --replot reads).
     args.out_dir = args.out_dir or os.path.join(common.ROOT, "runs", args.tag)
@@ -129,12 +144,17 @@ def arm_config(args, arm: str, seed: int):
     """The full config of one (arm, seed) run; validated by the Trainer."""
     c = common.absolute_paths(common.load_config(args.config))
     batch = args.num_prompts * args.group_size
+    arm_settings = {k: (args.fp4 if k.endswith(".precision") and v == "w4a4" else v) for k, v in ARMS[arm].items()}
     common.set_values(c, {
         **COMMON, "seed": seed, "train.steps": args.steps, "train.ckpt_every": args.steps,
         "rl.num_prompts": args.num_prompts, "rl.group_size": args.group_size,
-        "rl.mini_batch": batch, "rl.micro_batch": batch, **ARMS[arm],
+        "rl.mini_batch": batch, "rl.micro_batch": batch, **arm_settings,
     })
     common.set_values(c, args.overrides)
+    if c.sampler.precision != "bf16":
+        common.set_values(c, args.quantized_overrides)
+    if c.learner.exact:  # the control computes one policy: the sampler's per-layer formats on both sides
+        c.learner.rules = c.sampler.rules
     c.run_dir = os.path.join(os.path.abspath(args.out_dir), arm, f"seed{seed}")
     return common.absolute_paths(c)
 
@@ -163,6 +183,29 @@ def fresh_run_dir(path: str) -> None:
     if os.path.exists(path):
         shutil.rmtree(path)
     os.makedirs(path)
+
+
+FINAL_KEYS = ("reward/mean", "reward/accuracy", "mismatch/mean_abs_delta", "mismatch/rho_asym",
+              "mismatch/delta_q05", "mismatch/tail_persistence", "mismatch/tail_concentration",
+              "mismatch/hidden_by_mean")
+
+
+def outcome(history: list[dict], monitor_settings: dict, final_steps: int) -> dict:
+    """What one run's history says: the collapse rule (`rl.monitor.collapsed`), the first step of each early-warning
+    alarm under the run's own monitor thresholds (level 1 and 2; `first_alarm_step` = any alarm at level 1), and
+    each FINAL_KEYS metric's mean over the last `final_steps` steps (None where never finite)."""
+    from triage_jax.rl import monitor
+
+    done, onset = monitor.collapsed(history)
+    cfg = monitor.monitor_config(monitor_settings)
+    first1, first2 = monitor.first_alarms(history, cfg, level=1), monitor.first_alarms(history, cfg, level=2)
+    final = {}
+    for key in FINAL_KEYS:
+        v = [row.get(key) for row in history[-final_steps:]]
+        v = [float(x) for x in v if x is not None and math.isfinite(x)]
+        final[key] = float(np.mean(v)) if v else None
+    return {"collapsed": done, "collapse_step": onset, "first_alarm_step": first1["any"],
+            "first_alarms": {"level1": first1, "level2": first2}, "final": final}
 
 
 def run_one(args, arm: str, seed: int, log) -> dict:
@@ -199,10 +242,12 @@ def run_one(args, arm: str, seed: int, log) -> dict:
     t1 = time.perf_counter()
     ev = evaluate_model(tr.learner.model(), tr.tok, c, args)
     eval_s = time.perf_counter() - t1
+    out = outcome(history, c.monitor.to_dict(), final_window(args))
     log(f"{arm} seed {seed}: {len(history)} steps in {train_s:.0f}s (+{eval_s:.0f}s eval); "
         f"reward {history[0]['reward/mean']:+.3f} -> {history[-1]['reward/mean']:+.3f}; "
-        f"avg@{args.eval_n} {ev[f'avg@{args.eval_n}']:.3f}")
-    return {"history": history, "eval": ev, "train_s": train_s, "eval_s": eval_s, "run_dir": c.run_dir}
+        f"avg@{args.eval_n} {ev[f'avg@{args.eval_n}']:.3f}; collapsed {out['collapsed']} "
+        f"(step {out['collapse_step']}), first alarm {out['first_alarm_step']}")
+    return {"history": history, "eval": ev, "train_s": train_s, "eval_s": eval_s, "run_dir": c.run_dir, **out}
 
 
 def run_study(args, log=print) -> dict:
@@ -265,8 +310,25 @@ def results_rows(study: dict, args) -> list[list]:
         rows.append([arm, len(per_seed), ms(last("reward/mean")), ms4(last("mismatch/mean_abs_delta")),
                      ms(last("mismatch/rho_asym")), ms(last("mismatch/delta_q05")),
                      ms(last("mismatch/tail_persistence")), ms([e[f"avg@{args.eval_n}"] for e in evs])]
-                    + [ms([e[f"pass@{kk}"] for e in evs]) for kk in args.ks])
+                    + [ms([e[f"pass@{kk}"] for e in evs]) for kk in args.ks]
+                    + [collapse_cell(per_seed), alarm_cell(per_seed)])
     return rows
+
+
+def collapse_cell(per_seed: dict) -> str:
+    """'k/n' runs collapsed, with the onset steps of those that did (older results without the rule: '-')."""
+    if any("collapsed" not in r for r in per_seed.values()):
+        return "-"
+    onsets = [str(r["collapse_step"]) for r in per_seed.values() if r["collapsed"]]
+    n = len(onsets)
+    return f"{n}/{len(per_seed)}" + (f" (step {', '.join(onsets)})" if n else "")
+
+
+def alarm_cell(per_seed: dict) -> str:
+    """The first level-1 alarm step of each seed ('-': never)."""
+    if any("first_alarm_step" not in r for r in per_seed.values()):
+        return "-"
+    return ", ".join("-" if r["first_alarm_step"] is None else str(r["first_alarm_step"]) for r in per_seed.values())
 
 
 DRIFT = (("reward/mean", "reward", 3), ("reward/accuracy", "rollout acc.", 3),
@@ -297,7 +359,7 @@ def drift_table(study: dict, args) -> str:
 
 def results_table(study: dict, args) -> str:
     header = ["arm", "seeds", "reward", "mean abs delta", "rho_asym", "delta q05", "tail persist.",
-              f"avg@{args.eval_n}"] + [f"pass@{k}" for k in args.ks]
+              f"avg@{args.eval_n}"] + [f"pass@{k}" for k in args.ks] + ["collapsed", "first alarm"]
     return common.markdown_table(header, results_rows(study, args))
 
 

@@ -65,6 +65,10 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("monitor.persistence_level1", 0.0, "monitor.persistence_level1"),
         ("monitor.action", "panic", "monitor.action"),
         ("monitor.action_level", 3, "monitor.action_level"),
+        ("sampler.rules", ("lm_head$=w3a3",), "sampler.rules.*unknown preset 'w3a3'"),
+        ("learner.rules", ("lm_head",), "learner.rules.*expected REGEX=PRESET"),
+        ("learner.rules", ("last:9=bf16",), "learner.rules.*layer count in 1..4"),  # the tiny preset has 4
+        ("sampler.rules", ("(unclosed=bf16",), "sampler.rules.*bad regex"),
     ],
 )
 def test_bad_values_name_the_key(key, value, match):
@@ -195,3 +199,28 @@ def test_organism_bad_values_name_the_key(over, match):
         c[sect][name] = value
     with pytest.raises(ConfigError, match=match):
         validate(c, check_paths=False)
+
+
+def test_precision_rules_reach_both_policies():
+    """sampler.rules / learner.rules go ahead of each side's preset (the sampler's with token-wise activation
+    scales); exact mode needs them equal."""
+    from triage_jax import build
+
+    c = base_config()
+    c.sampler.rules = ("lm_head$=w4a4",)
+    c.learner.rules = ("last:1=w4a4", r"mlp\.down_proj=w4a16")
+    validate(c)
+    sp, lp = build.sampler_policy(c), build.learner_policy(c)
+    head = sp.for_layer("lm_head")
+    assert head.weight == "nvfp4" and head.act == "nvfp4" and head.act_scaling == "row"
+    assert lp.for_layer("lm_head").weight == "none"  # the learner's keeps its default high-precision head
+    assert lp.for_layer("layers.3.self_attn.q_proj").act == "nvfp4"  # the last of the preset's 4 layers
+    assert lp.for_layer("layers.2.self_attn.q_proj").weight == "none"
+    down = lp.for_layer("layers.0.mlp.down_proj")
+    assert down.weight == "nvfp4" and down.act == "none"
+    c.learner.exact, c.learner.precision = True, c.sampler.precision
+    with pytest.raises(ConfigError, match="learner.exact.*same per-layer rules"):
+        validate(c)
+    c.learner.rules = c.sampler.rules
+    validate(c)
+    assert build.learner_policy(c).for_layer("lm_head") == build.sampler_policy(c).for_layer("lm_head")

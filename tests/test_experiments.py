@@ -16,7 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments import common, mismatch_matrix, stability  # noqa: E402
+from experiments import common, mismatch_matrix, organism_sweep, stability  # noqa: E402
 
 # Settings that make a run take seconds: a 4-step warm-up cached under tmp_path, 2 prompts x 4 responses.
 TINY_SET = ["warmup.steps=4", "warmup.batch_size=8", "rl.dynamic_sampling=False", "sampler.max_new_tokens=12"]
@@ -232,9 +232,42 @@ def test_arm_configs_differ_only_where_they_should(tmp_path):
     assert cfgs["nvfp4_tis"].rl.correction == "token_tis" and cfgs["nvfp4_tis"].rl.token_tis.C == 2.0
     assert cfgs["triage_no_repair"].rl.triage.lambda_rep == 0.0 and cfgs["nvfp4_triage"].rl.triage.lambda_rep > 0
     assert len({c.run_dir for c in cfgs.values()}) == len(cfgs)
+    assert cfgs["opsm"].rl.correction == "opsm" and cfgs["opsm"].sampler.precision == "w4a4"
+    ex = cfgs.pop("exact")  # the control: quantized on both sides, exact mode
+    assert ex.learner.exact and ex.learner.precision == ex.sampler.precision == "w4a4"
     for c in cfgs.values():
-        assert c.seed == 1 and c.learner.precision == "bf16" and c.rl.triage.segment_len == 8
+        assert c.seed == 1 and c.learner.precision == "bf16" and not c.learner.exact
+        assert c.rl.triage.segment_len == 8  # configs/tiny.py's own; the study no longer forces one
         assert c.rl.num_prompts * c.rl.group_size == c.rl.mini_batch
+    # --fp4 swaps the format of every quantized arm and of nothing else.
+    mx = stability.parse_args(["--quick", "--out_dir", str(tmp_path), "--fp4", "w4a4_mx"])
+    assert stability.arm_config(mx, "nvfp4_triage", 0).sampler.precision == "w4a4_mx"
+    ex = stability.arm_config(mx, "exact", 0)
+    assert ex.learner.precision == ex.sampler.precision == "w4a4_mx"
+    assert stability.arm_config(mx, "bf16", 0).sampler.precision == "bf16"
+    with pytest.raises(SystemExit):
+        stability.parse_args(["--fp4", "w3a3"])
+
+
+def test_outcome_applies_the_collapse_rule_and_the_monitor():
+    """A run whose accuracy halves for 20 steps after step 15 collapses there; rho_asym climbing from 1.0 raises
+    the level-1 alarm before it; the final window averages the last steps only."""
+    hist = []
+    for i in range(1, 41):
+        acc = 0.6 if i < 15 else 0.1
+        hist.append({"step": i, "reward/accuracy": acc, "mismatch/rho_asym": 1.0 + 0.1 * i,
+                     "mismatch/tail_persistence": 1.0, "mismatch/delta_q05": -0.05, "reward/mean": 2 * acc - 1})
+    out = stability.outcome(hist, {}, final_steps=4)
+    assert out["collapsed"] and out["collapse_step"] == 15
+    assert out["first_alarm_step"] is not None and out["first_alarm_step"] < 15
+    assert out["first_alarms"]["level1"]["rho_asym"] == out["first_alarm_step"]
+    assert out["first_alarms"]["level1"]["tail_persistence"] is None
+    assert out["final"]["reward/accuracy"] == pytest.approx(0.1)
+    assert out["final"]["mismatch/rho_asym"] == pytest.approx(1.0 + 0.1 * 38.5)
+    assert out["final"]["mismatch/hidden_by_mean"] is None  # never logged: no number invented
+    calm = [{**r, "reward/accuracy": 0.6, "mismatch/rho_asym": 0.8} for r in hist]
+    out = stability.outcome(calm, {}, final_steps=4)
+    assert not out["collapsed"] and out["collapse_step"] is None and out["first_alarm_step"] is None
 
 
 def test_drift_table_compares_first_and_last_window():
@@ -289,7 +322,7 @@ def test_stability_quick_writes_every_output(tmp_path):
 
 
 def test_scripts_have_a_cli_help():
-    for script in ("mismatch_matrix.py", "stability.py"):
+    for script in ("mismatch_matrix.py", "stability.py", "organism_sweep.py"):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "usage" in r.stdout, r.stderr
@@ -314,3 +347,47 @@ def test_compile_cache_is_scoped_to_its_block(tmp_path):
         assert jax.config.jax_compilation_cache_dir == before
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+
+
+def test_organism_sweep_args():
+    a = organism_sweep.parse_args(["--cells", "base,mxfp4", "--quick"])
+    assert a.cells == ["base", "mxfp4"] and a.steps == organism_sweep.QUICK["steps"]
+    s = organism_sweep.study_args(a, "mxfp4")
+    assert s.fp4 == "w4a4_mx" and s.arms == ["bf16", "nvfp4"] and s.out_dir.endswith(os.path.join("mxfp4"))
+    s = organism_sweep.study_args(organism_sweep.parse_args(["--cells", "updates4"]), "updates4")
+    assert s.overrides == {"rl.mini_batch": 8, "rl.micro_batch": 8}
+    c = stability.arm_config(s, "nvfp4", 0)
+    assert c.rl.mini_batch == 8 and c.rl.num_prompts * c.rl.group_size == 32  # 4 updates per rollout batch
+    # A quantized-arms-only lever leaves the BF16 reference alone; the exact control takes it on both sides.
+    s = organism_sweep.study_args(organism_sweep.parse_args(["--cells", "lm_head_fp4", "--arms", "bf16,nvfp4,exact"]),
+                                  "lm_head_fp4")
+    cfg = {arm: stability.arm_config(s, arm, 0) for arm in ("bf16", "nvfp4", "exact")}
+    assert cfg["nvfp4"].sampler.rules == ("lm_head$=w4a4",) and cfg["nvfp4"].learner.rules == ()
+    assert cfg["bf16"].sampler.rules == () and cfg["exact"].learner.rules == cfg["exact"].sampler.rules != ()
+    for bad in (["--cells", "nope"], ["--cells", ""], ["--arms", "bogus"], ["--set", "novalue"]):
+        with pytest.raises(SystemExit):
+            organism_sweep.parse_args(bad)
+
+
+def test_organism_sweep_quick_writes_the_table(tmp_path):
+    """Two cells of the NVFP4 arm on the tiny config: one record per (cell, arm, seed) with the rule's verdict,
+    the table rows in order, and each cell's format reaching its runs."""
+    argv = ["--quick", "--config", "tiny", "--cells", "base,mxfp4", "--arms", "nvfp4",
+            "--results", str(tmp_path / "res"),
+            "--out_dir", str(tmp_path / "runs"), "--compile_cache", ""]
+    for s in TINY_SET + [f"warmup.cache_dir={tmp_path / 'warm'}"]:
+        argv += ["--set", s]
+    assert organism_sweep.main(argv) == 0
+    rep = json.load(open(tmp_path / "res" / "organism_sweep_quick.json"))
+    assert list(rep["cells"]) == ["base", "mxfp4"]
+    for cell, rec in rep["cells"].items():
+        assert set(rec["arms"]) == {"nvfp4"}
+        for arm, per_seed in rec["arms"].items():
+            r = per_seed["0"]
+            assert r["collapsed"] in (True, False) and set(r["drift"]) >= {"reward/accuracy", "mismatch/rho_asym"}
+            cfg = common.config_from_json(os.path.join(r["run_dir"], "config.json"))
+            assert cfg.sampler.precision == {"base": "w4a4", "mxfp4": "w4a4_mx"}[cell]
+            assert len(common.read_history(r["run_dir"])) == 3
+    md = (tmp_path / "res" / "organism_sweep_quick.md").read_text()
+    rows = [ln.split("|")[1:3] for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| cell")]
+    assert [(c.strip(), a.strip()) for c, a in rows] == [("base", "nvfp4"), ("mxfp4", "nvfp4")]

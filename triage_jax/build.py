@@ -16,16 +16,17 @@ from flax import nnx
 
 from triage_jax import checkpoint as ckpt_lib
 from triage_jax import models
-from triage_jax.config import tokenizer_path
+from triage_jax.config import num_layers, tokenizer_path
 from triage_jax.data.sources import load_dapo_math
 from triage_jax.data.synthetic import SyntheticMathSource, held_out_source
 from triage_jax.data.tokenizers import load_tokenizer, task_bpe_tokenizer
 from triage_jax.learner import Correction, LossSettings, OptimSettings
 from triage_jax.quant import PrecisionPolicy
+from triage_jax.quant.policy import parse_rules
 from triage_jax.rl import corrections as corr
 from triage_jax.rl.monitor import MonitorConfig, monitor_config
 from triage_jax.rl.triage import TriageConfig
-from triage_jax.sampler import SamplingConfig, sampler_policy as _sampler_policy
+from triage_jax.sampler import SamplingConfig, sampler_policy as _sampler_policy, token_wise_rules
 
 
 BPE_CORPUS_SEED = 0  # the task BPE's corpus is one fixed stream: every seed of a config shares its tokenizer
@@ -83,16 +84,29 @@ def initial_model(c: ml_collections.ConfigDict, model_cfg, tok, src, *, progress
     return models.Qwen3(model_cfg, rngs=nnx.Rngs(c.seed))
 
 
+def precision_rules(c: ml_collections.ConfigDict, side: str) -> tuple[tuple[str, str], ...]:
+    """config.<side>.rules as (regex, preset) pairs; first:/last:K against the model's decoder layers."""
+    specs = tuple(c[side].rules)
+    if not specs:
+        return ()
+    layers = num_layers(c)
+    if layers is None:  # an HF checkpoint: its config.json has the count
+        layers = model_config(c, 0).num_hidden_layers
+    return parse_rules(specs, layers)
+
+
 def learner_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
     """The learner's policy; exact mode: the sampler's (token-wise activation scales, batch-invariant numerics)."""
+    rules = precision_rules(c, "learner")
     if c.learner.exact:
         return PrecisionPolicy.from_spec(c.learner.precision, act_scaling="row", backend=c.learner.backend,
-                                         exact=True)
-    return PrecisionPolicy.from_spec(c.learner.precision, backend=c.learner.backend)
+                                         rules=token_wise_rules(rules), exact=True)
+    return PrecisionPolicy.from_spec(c.learner.precision, backend=c.learner.backend, rules=rules)
 
 
 def sampler_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
-    return _sampler_policy(c.sampler.precision, c.sampler.kv_cache, exact=bool(c.learner.exact))
+    return _sampler_policy(c.sampler.precision, c.sampler.kv_cache, rules=precision_rules(c, "sampler"),
+                           exact=bool(c.learner.exact))
 
 
 def sampling(c: ml_collections.ConfigDict, tok) -> SamplingConfig:

@@ -19,6 +19,7 @@ from triage_jax.data.synthetic import ALL_LEVELS, STYLES
 from triage_jax.data.tokenizers import BPE_MIN_VOCAB
 from triage_jax.models.config import PRESETS as MODEL_PRESETS, REMAT_MODES
 from triage_jax.quant import PRESETS
+from triage_jax.quant.policy import parse_rule
 from triage_jax.rl.corrections import CORRECTIONS
 from triage_jax.rl.delta import DELTA_SOURCES
 from triage_jax.rl.grpo import AGGREGATIONS
@@ -101,11 +102,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.sampler.max_slots = 0  # decode slots of the rollout engine (0: one per response of a rollout batch)
     c.sampler.steps_per_round = 8  # decode steps per host round trip
     c.sampler.prefill_batch = 8  # prompts prefilled per call
+    # Per-layer precision rules ahead of sampler.precision (quant.policy.parse_rule: "REGEX=PRESET" on module paths,
+    # "last:K=PRESET" / "first:K=PRESET" for decoder layers), e.g. ("lm_head$=w4a4",) quantizes the LM head too.
+    c.sampler.rules = ()
 
     c.learner = ml_collections.ConfigDict()
     c.learner.precision = "bf16"
     c.learner.backend = "xla"
     c.learner.vocab_chunk = 0  # 0: no chunking of the LM head log-softmax
+    c.learner.rules = ()  # per-layer precision rules ahead of learner.precision (as sampler.rules)
     # Exact on-policy mode: sampler and learner run batch-invariant numerics (docs/numerics.md#exact-mode), so with
     # one precision on both sides the learner's recompute equals the sampler's log-probs bit for bit (delta = 0).
     c.learner.exact = False
@@ -199,6 +204,9 @@ def _check_exact(c: ml_collections.ConfigDict) -> None:
     if c.learner.precision != c.sampler.precision:
         _fail("learner.exact", f"exact mode needs one precision on both sides; learner.precision="
               f"{c.learner.precision!r} but sampler.precision={c.sampler.precision!r}")
+    if tuple(c.sampler.rules) != tuple(c.learner.rules):
+        _fail("learner.exact", f"exact mode needs the same per-layer rules on both sides; sampler.rules="
+              f"{tuple(c.sampler.rules)} but learner.rules={tuple(c.learner.rules)}")
     if c.sampler.kv_cache != "bf16":
         _fail("learner.exact", f"exact mode needs sampler.kv_cache='bf16' (the compute dtype), got "
               f"{c.sampler.kv_cache!r}: an FP8 cache's scale comes from the prefill batch")
@@ -240,6 +248,8 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         if int(c.mesh[name]) < 1:
             _fail(f"mesh.{name}", f"must be >= 1, got {c.mesh[name]}")
 
+    for side in ("sampler", "learner"):
+        _check_rules(c, side)
     if c.learner.exact:
         _check_exact(c)
 
@@ -379,6 +389,28 @@ def _check_monitor(c: ml_collections.ConfigDict) -> None:
         if c.rl.correction != "none":
             _fail("monitor.action", f"'enable_correction' switches a correction on, but rl.correction="
                   f"{c.rl.correction!r} is already on (set --config.rl.correction=none)")
+
+
+def num_layers(c: ml_collections.ConfigDict) -> int | None:
+    """The model's decoder-layer count from its preset (None for an HF checkpoint: read when it is loaded)."""
+    if c.model.hf_path or c.model.preset not in MODEL_PRESETS:
+        return None
+    return MODEL_PRESETS[c.model.preset].num_hidden_layers
+
+
+def _check_rules(c: ml_collections.ConfigDict, side: str) -> None:
+    """<side>.rules: a tuple of rule strings that parse (first:/last: against the preset's layer count)."""
+    key = f"{side}.rules"
+    specs = c[side].rules
+    if isinstance(specs, str) or not isinstance(specs, (tuple, list)):
+        _fail(key, f"must be a tuple of rule strings such as ('lm_head$=w4a4',), got {specs!r}")
+    for spec in specs:
+        if not isinstance(spec, str):
+            _fail(key, f"{spec!r} is not a rule string")
+        try:
+            parse_rule(spec, num_layers(c))
+        except ValueError as e:
+            _fail(key, str(e))
 
 
 def _check_bpe(c: ml_collections.ConfigDict) -> None:

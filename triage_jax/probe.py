@@ -33,7 +33,7 @@ from triage_jax.logprobs import default_positions, response_logprobs, slot_align
 from triage_jax.quant import PRESETS, LayerPrecision, PrecisionPolicy
 from triage_jax.rl import group_advantages, mismatch_metrics
 from triage_jax.rl.delta import token_delta
-from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy
+from triage_jax.sampler import SamplingConfig, generate, prepare_model, sampler_policy, token_wise_rules
 
 __all__ = ["HEADLINE", "Step", "advantages", "decomposition", "diagnostics", "encode_examples", "learner_policy",
            "learner_routing", "measure_step", "random_prompts", "recompute_logprobs", "routing_flips",
@@ -59,13 +59,7 @@ def random_prompts(vocab_size: int, num_prompts: int, prompt_len: int, *, seed: 
 
 # ------------------------------------------------------------------------------------------------ both sides
 
-def sampler_rules(rules) -> tuple:
-    """Rules for the sampler side: their presets with the sampler's token-wise activation scales (as its default)."""
-    out = []
-    for pattern, prec in rules:
-        prec = PRESETS[prec] if isinstance(prec, str) else prec
-        out.append((pattern, dataclasses.replace(prec, act_scaling="row") if prec.act != "none" else prec))
-    return tuple(out)
+sampler_rules = token_wise_rules  # rules for the sampler side (and an exact learner): token-wise activation scales
 
 
 def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: str, seed: int, pad_id: int,
@@ -75,7 +69,7 @@ def sample_responses(model, prompts, cfg: SamplingConfig, *, sampler: str, kv: s
     `rules`: per-layer (regex, preset) pairs ahead of the preset (activations token-wise, as the preset's).
     record_routing: also each token's MoE expert ids (`out.routing`).
     exact: exact mode's batch-invariant numerics (pair it with `recompute_logprobs(..., exact=True)`)."""
-    policy = sampler_policy(sampler, kv_cache=kv, rules=sampler_rules(rules), exact=exact)
+    policy = sampler_policy(sampler, kv_cache=kv, rules=rules, exact=exact)
     return generate(prepare_model(model, policy), prompts, cfg, policy=policy, key=jax.random.key(seed),
                     pad_id=pad_id, max_cache_len=max_cache_len, record_routing=record_routing)
 

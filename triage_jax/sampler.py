@@ -43,7 +43,7 @@ from flax import nnx, struct
 from triage_jax.logprobs import lm_head_logits, logprob_of
 from triage_jax.models import kv_cache as kvc
 from triage_jax.models.moe import routing_dtype
-from triage_jax.quant import PrecisionPolicy
+from triage_jax.quant import PRESETS, PrecisionPolicy
 
 MIN_BUCKET = kvc.BLOCK  # the smallest cache capacity bucket
 MIN_PROMPT_BUCKET = 8  # the smallest prefill width (its cache still holds MIN_BUCKET slots)
@@ -90,9 +90,20 @@ class SampleOutput:
     routing: jax.Array | None = None
 
 
-def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", **kw) -> PrecisionPolicy:
-    """The sampler's policy: `preset` weights/activations with token-wise activation scales, and the KV format."""
-    return PrecisionPolicy.from_spec(preset, act_scaling="row", kv_cache=kv_cache, **kw)
+def token_wise_rules(rules) -> tuple:
+    """Per-layer (regex, preset) rules with the sampler's token-wise activation scales (as its default has)."""
+    out = []
+    for pattern, prec in rules:
+        prec = PRESETS[prec] if isinstance(prec, str) else prec
+        out.append((pattern, dataclasses.replace(prec, act_scaling="row") if prec.act != "none" else prec))
+    return tuple(out)
+
+
+def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", *, rules=(), **kw) -> PrecisionPolicy:
+    """The sampler's policy: `preset` weights/activations with token-wise activation scales (its per-layer `rules`
+    alike), and the KV format."""
+    return PrecisionPolicy.from_spec(preset, act_scaling="row", kv_cache=kv_cache, rules=token_wise_rules(rules),
+                                     **kw)
 
 
 def prepare_model(model, policy: PrecisionPolicy):
