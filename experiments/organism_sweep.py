@@ -47,6 +47,9 @@ CELLS: dict[str, Cell] = {
     "base": Cell("configs/organism.py as set: lr 2e-5, one update per rollout batch, T = 1, NVFP4"),
     "lr5e-5": Cell("learning rate 5e-5", {"optim.lr": 5e-5}),
     "lr1e-4": Cell("learning rate 1e-4 (the base config's)", {"optim.lr": 1e-4}),
+    "lr1e-4_seqmean": Cell("lr 1e-4 with the loss averaged per response first (rl.agg=seq-mean-token-mean): no "
+                           "token-count weighting of long (often wrong) responses",
+                           {"optim.lr": 1e-4, "rl.agg": "seq-mean-token-mean"}),
     "updates4": Cell("4 updates per rollout batch (mini-batch 8 of 32 responses)",
                      {"rl.mini_batch": 8, "rl.micro_batch": 8}),
     "updates4_lr5e-5": Cell("4 updates per rollout batch at lr 5e-5",

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import warnings
 from typing import Sequence
 
 import jax
@@ -295,8 +296,16 @@ def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("slots",))
-def _resize(slots: Slots, *, capacity: int) -> Slots:
+def _resize_jit(slots: Slots, *, capacity: int) -> Slots:
     return slots.replace(cache=kvc.resize(slots.cache, capacity))
+
+
+def _resize(slots: Slots, *, capacity: int) -> Slots:
+    """The slots with the KV cache at `capacity`. The old cache buffers cannot be reused for the new shape (the
+    other fields are), so JAX's warning that some donated buffers were unusable is expected here and silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return _resize_jit(slots, capacity=capacity)
 
 
 @jax.jit
