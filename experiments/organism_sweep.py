@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -87,6 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--results", default=os.path.join(common.ROOT, "experiments", "results"))
     p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
                    help="JAX persistent compilation cache folder ('' to disable)")
+    p.add_argument("--replot", action="store_true",
+                   help="rebuild the table and JSON from the runs' history.json under --out_dir (no training): the "
+                        "finished runs of an interrupted sweep; avg@n from an earlier <tag>.json where it has them")
     p.add_argument("--tag", default=None, help="file name stem of the outputs (default organism_sweep[_quick])")
     args = p.parse_args(argv)
     for k, v in (QUICK if args.quick else DEFAULTS).items():
@@ -149,6 +153,45 @@ def save(args, cells: dict, total_s: float) -> str:
     return text
 
 
+def record(r: dict, k: int) -> dict:
+    """One run's entry of the results: the study's outcome fields plus first -> last window of WATCHED."""
+    drift = {key: window_means(r["history"], key, k) for key, _, _ in WATCHED}
+    return {x: r.get(x) for x in ("collapsed", "collapse_step", "first_alarm_step", "first_alarms", "final", "eval",
+                                  "train_s", "run_dir")} | {"drift": drift}
+
+
+def replot(args, log) -> tuple[dict, float]:
+    """The records of every finished run under out_dir (a run folder holding history.json), rebuilt from it, and the
+    earlier invocation's wall time (NaN if none was saved)."""
+    old, total = {}, math.nan
+    path = os.path.join(args.results, f"{args.tag}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        old, total = saved.get("cells", {}), saved.get("total_s", math.nan)
+    cells = {}
+    for cell in args.cells:
+        sargs = study_args(args, cell)
+        k = stability.final_window(sargs)
+        arms = {}
+        for arm in sargs.arms:
+            for seed in sargs.seeds:
+                run_dir = stability.arm_config(sargs, arm, seed).run_dir
+                if not os.path.exists(os.path.join(run_dir, "history.json")):
+                    continue
+                history = common.read_history(run_dir)
+                cfg = common.config_from_json(os.path.join(run_dir, "config.json"))
+                r = {"history": history, "run_dir": run_dir,
+                     **stability.outcome(history, cfg.monitor.to_dict(), k),
+                     **{x: old.get(cell, {}).get("arms", {}).get(arm, {}).get(str(seed), {}).get(x)
+                        for x in ("eval", "train_s")}}
+                arms.setdefault(arm, {})[seed] = record(r, k)
+        if arms:
+            cells[cell] = {**dataclasses.asdict(CELLS[cell]), "window": k, "arms": arms}
+        log(f"{cell}: {sum(len(v) for v in arms.values())} finished runs")
+    return cells, total
+
+
 def run_sweep(args, log) -> dict:
     t0 = time.perf_counter()
     cells = {}
@@ -160,9 +203,7 @@ def run_sweep(args, log) -> dict:
         for arm, per_seed in study["runs"].items():
             arms[arm] = {}
             for seed, r in per_seed.items():
-                drift = {key: window_means(r["history"], key, k) for key, _, _ in WATCHED}
-                arms[arm][seed] = {x: r[x] for x in ("collapsed", "collapse_step", "first_alarm_step", "first_alarms",
-                                                    "final", "eval", "train_s", "run_dir")} | {"drift": drift}
+                arms[arm][seed] = record(r, k)
         cells[cell] = {**dataclasses.asdict(CELLS[cell]), "window": k, "warmup_eval": study["warmup_eval"],
                        "arms": arms}
         save(args, cells, time.perf_counter() - t0)  # after every cell: a crash or kill keeps the finished ones
@@ -184,7 +225,8 @@ def table(cells: dict, eval_n: int) -> str:
                     first = np.nanmean([r["drift"][key][0] for r in runs])
                     last = np.nanmean([r["drift"][key][1] for r in runs])
                 row.append(f"{common.fmt(float(first), digits)} -> {common.fmt(float(last), digits)}")
-            row.append(common.fmt(float(np.mean([r["eval"][f"avg@{eval_n}"] for r in runs])), 3))
+            evals = [r["eval"][f"avg@{eval_n}"] for r in runs if r.get("eval")]
+            row.append(common.fmt(float(np.mean(evals)), 3) if len(evals) == len(runs) else "-")
             rows.append(row)
     header = ["cell", "arm", "collapsed", "first alarm"] + [lb for _, lb, _ in WATCHED] + [f"avg@{eval_n}"]
     return common.markdown_table(header, rows)
@@ -197,9 +239,13 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[sweep {time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
 
-    with common.compile_cache(args.compile_cache):
-        cells = run_sweep(args, log)
-    print(save(args, cells, time.perf_counter() - t0))
+    if args.replot:
+        cells, total = replot(args, log)
+    else:
+        with common.compile_cache(args.compile_cache):
+            cells = run_sweep(args, log)
+        total = time.perf_counter() - t0
+    print(save(args, cells, total))
     log(f"table: {os.path.join(args.results, args.tag + '.md')}")
     return 0
 

@@ -391,3 +391,10 @@ def test_organism_sweep_quick_writes_the_table(tmp_path):
     md = (tmp_path / "res" / "organism_sweep_quick.md").read_text()
     rows = [ln.split("|")[1:3] for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| cell")]
     assert [(c.strip(), a.strip()) for c, a in rows] == [("base", "nvfp4"), ("mxfp4", "nvfp4")]
+    # --replot rebuilds the same records from the runs' history.json, keeping the saved evals.
+    assert organism_sweep.main(argv + ["--replot"]) == 0
+    again = json.load(open(tmp_path / "res" / "organism_sweep_quick.json"))
+    for cell, rec in rep["cells"].items():
+        for key in ("collapsed", "collapse_step", "first_alarm_step", "drift", "eval", "final"):
+            assert again["cells"][cell]["arms"]["nvfp4"]["0"][key] == rec["arms"]["nvfp4"]["0"][key], key
+    assert again["total_s"] == rep["total_s"]
