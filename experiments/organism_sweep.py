@@ -113,8 +113,7 @@ def study_args(args, cell: str):
     spec = CELLS[cell]
     argv = ["--config", args.config, "--arms", args.arms, "--steps", str(args.steps), "--seeds", str(args.seeds),
             "--eval_problems", str(args.eval_problems), "--eval_n", str(args.eval_n), "--ks", "1",
-            "--eval_reward", "dapo", "--fp4", spec.fp4, "--out_dir", os.path.join(args.out_dir, cell),
-            "--compile_cache", ""]
+            "--eval_reward", "dapo", "--fp4", spec.fp4, "--out_dir", os.path.join(args.out_dir, cell)]
     # The config's own batch (num_prompts x group_size) unless overridden: the study's flags default to its preset.
     c = common.load_config(args.config)
     argv += ["--num_prompts", str(c.rl.num_prompts), "--group_size", str(c.rl.group_size)]
