@@ -4,8 +4,9 @@ and against the matmul-only ceiling, side by side in one run.
     python experiments/bench_sampler.py [--repeats=3] [--skew_slots=64] [--quick]
 
 Four measurements. Times are the best of --repeats after a warm-up call that compiles; the calls a ratio compares
-run interleaved (A, B, A, B, ...), so a change of the machine's load hits both sides alike. The load average is read
-and printed before each section, and any section above 0.5 per core flags the table and the JSON line
+run interleaved (A, B, A, B, ...), so a change of the machine's load hits both sides alike. The load average is
+printed at the start, and each section is judged by the CPU other processes used while it ran (the load average
+would count this benchmark's own threads); a loaded start or section flags the table and the JSON line
 (experiments/loadavg.py).
 
 1. **vs HF `generate`** - the tiny Qwen3 (random init, seed 0, float32, no quantization) is exported with
@@ -49,7 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from experiments.loadavg import machine_load  # noqa: E402
+from experiments.loadavg import ForeignCpu, machine_load  # noqa: E402
 from triage_jax import models  # noqa: E402
 from triage_jax.sampler import Engine, EngineConfig, SamplingConfig  # noqa: E402
 
@@ -292,10 +293,15 @@ def main(argv=None):
     load = machine_load()
     print(load.line(), flush=True)
     loads = {"start": load}
+    meter, current = ForeignCpu(), [None]
 
     def section(name):
-        loads[name] = machine_load()
-        print(f"[{name}] {loads[name].line()}", flush=True)
+        """Start section `name` (None: the end); the one it ends is judged by other processes' CPU use during it."""
+        foreign = meter.take()
+        if current[0] is not None:
+            loads[current[0]] = machine_load().with_foreign(foreign)
+            print(f"[{current[0]}] {loads[current[0]].line()}", flush=True)
+        current[0] = name
 
     cfg_model = models.get_model_config("tiny")
     model = models.Qwen3(cfg_model, rngs=nnx.Rngs(0))
@@ -332,6 +338,7 @@ def main(argv=None):
     ceil_tok_s, gflops, eng_dec = matmul_ceiling(cfg_model, cb, args.new_tokens, args.repeats, model, args.prompt_len)
     ceiling = {"batch": cb, "matmul_tok_s": ceil_tok_s, "matmul_gflop_s": gflops, "engine_decode_tok_s": eng_dec,
                "fraction": eng_dec / ceil_tok_s}
+    section(None)
 
     under = any(x.under_load for x in loads.values())
     tag = " [measured under load]" if under else ""
@@ -371,6 +378,7 @@ def main(argv=None):
     fields = load.fields()
     fields["measured_under_load"] = under
     fields["loadavg_by_section"] = {k: x.fields()["loadavg"] for k, x in loads.items()}
+    fields["foreign_cores_by_section"] = {k: x.fields().get("foreign_cores") for k, x in loads.items() if k != "start"}
     print(json.dumps({"bench": "sampler", "rows": rows, "greedy_matches_hf": agree, "skewed": skew, **pos,
                       "ceiling": ceiling, "targets_met": met, **fields}))
 

@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -398,3 +399,25 @@ def test_organism_sweep_quick_writes_the_table(tmp_path):
         for key in ("collapsed", "collapse_step", "first_alarm_step", "drift", "eval", "final"):
             assert again["cells"][cell]["arms"]["nvfp4"]["0"][key] == rec["arms"]["nvfp4"]["0"][key], key
     assert again["total_s"] == rep["total_s"]
+
+
+def test_foreign_cpu_counts_other_processes_not_our_children():
+    """A section is judged by competing processes: a detached busy process is foreign, our own child is not."""
+    from experiments.loadavg import ForeignCpu, machine_load
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    meter = ForeignCpu()
+    subprocess.run([sys.executable, "-c", spin], check=True)  # our child: its ticks are ours
+    own_child = meter.take()
+    # Detached (the shell exits at once, the spinner is re-parented): it competes with us like another user's job.
+    subprocess.run(f"{sys.executable} -c '{spin}' >/dev/null 2>&1 &", shell=True, check=True)
+    time.sleep(1.5)
+    foreign = meter.take()
+    if foreign is None:
+        pytest.skip("no /proc/stat here")
+    assert foreign >= 0.6, foreign  # the spinner kept ~1 core busy for the whole window
+    assert own_child < foreign - 0.4, (own_child, foreign)
+    load = machine_load()
+    assert load.with_foreign(0.0).under_load is False
+    assert load.with_foreign(load.cores * 0.3).under_load is True
+    assert "other processes used 0.00 cores" in load.with_foreign(0.0).line()
