@@ -21,10 +21,11 @@ def model():
 
 
 def run(model, *, slots, continuous=True, steps=4, n=3, prompts=PROMPTS, key=0, max_len=128, prefill_batch=8,
-        max_prompt_len=0):
+        max_prompt_len=0, compact_tail=4):
     engine = Engine(CFG, EngineConfig(max_slots=slots, max_len=max_len, steps_per_round=steps,
                                       prefill_batch=prefill_batch, continuous=continuous,
-                                      max_prompt_len=max_prompt_len), pad_id=PAD, model=model)
+                                      max_prompt_len=max_prompt_len, compact_tail=compact_tail),
+                    pad_id=PAD, model=model)
     return engine, engine.generate(prompts, jax.random.key(key), n=n)
 
 
@@ -43,6 +44,28 @@ def test_schedule_never_changes_a_request(model):
         _, out = run(model, **kw)
         for k, v in as_np(out).items():
             np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"{kw} {k}")
+
+
+def test_tail_compaction_shrinks_the_slots_and_changes_no_request(model):
+    """Once the queue is empty and at most half the slots decode (compact_tail=2), the long responses left move
+    into a smaller slot set (16 -> 8 here, never below 4 per device) instead of decoding in all 16. Every
+    request's tokens are the uncompacted run's and its log-probs agree to float32 rounding: XLA:CPU's dot sums
+    16+ rows in another order than fewer (measured: 2-15 slots bit-identical, 16, 24, 32 one ulp apart), the
+    same last-bit freedom as a capacity bucket. The same config and seed still give the same bits (rerun)."""
+    engine, out = run(model, slots=16, compact_tail=2)
+    plain, ref = run(model, slots=16, compact_tail=0)
+    assert set(plain.slot_counts) == {16}
+    assert engine.slot_counts[0] == 16 and min(engine.slot_counts) == 8
+    assert engine.slot_counts == sorted(engine.slot_counts, reverse=True)  # it only ever shrinks
+    got, want = as_np(out), as_np(ref)
+    for k in ("tokens", "mask", "lengths"):
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    np.testing.assert_allclose(got["logprobs"], want["logprobs"], rtol=0, atol=2e-6)
+    _, again = run(model, slots=16, compact_tail=2)
+    for k, v in as_np(again).items():
+        np.testing.assert_array_equal(v, got[k], err_msg=f"rerun {k}")
+    _, static = run(model, slots=16, continuous=False)
+    assert set(_.slot_counts) == {16}  # the static baseline keeps every slot to the end
 
 
 def test_prefill_width_follows_the_prompt_budget(model):
@@ -98,3 +121,5 @@ def test_bad_input_is_a_clear_error(model):
         run(model, slots=2, max_len=48)
     with pytest.raises(ValueError, match="max_slots"):
         EngineConfig(max_slots=0, max_len=64)
+    with pytest.raises(ValueError, match="compact_tail"):
+        EngineConfig(max_slots=4, max_len=64, compact_tail=1)

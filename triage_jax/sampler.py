@@ -5,12 +5,15 @@ row filled from slot 0). Requests (G samples of each prompt) wait in a queue; a 
 copied into the slots of its G samples; a finished sequence frees its slot and the next waiting sample takes it.
 The decode loop runs `steps_per_round` tokens per host round trip, one compiled program per (slots, capacity); the
 capacity follows the longest sequence held (a power of two, >= 64), so attention costs what the slots hold, not
-what could be allocated.
+what could be allocated. Once no request waits, the few sequences still decoding (a long-tail response) move
+into a smaller slot set (`EngineConfig.compact_tail`), so they stop paying for every slot's matmuls and attention.
 
 Deterministic: every draw is keyed by (request id, token index), never by a slot, and every per-token computation
 has a fixed per-device shape (slots, prefill batch), so a request's tokens and log-probs do not depend on the slot
 it lands in, the other requests, or continuous vs static batching, at the same capacity bucket; across capacity
-buckets XLA's reduction order can move a log-prob's last bit (not under an exact policy, docs/numerics.md#exact-mode).
+buckets, and when a compacted tail runs in fewer slots, XLA's reduction order can move a log-prob's last bit (not
+under an exact policy, docs/numerics.md#exact-mode); the tokens stay the same. The same config and seed always give
+the same bits: the schedule itself is a function of the tokens.
 
 Log-probs: for every drawn token the sampler reports log_softmax(logits / T) over the FULL vocabulary at the
 sampling temperature T, before top-k / top-p truncation (what verl and vLLM report as rollout log-probs with a
@@ -48,6 +51,9 @@ from triage_jax.quant import PRESETS, PrecisionPolicy
 
 MIN_BUCKET = kvc.BLOCK  # the smallest cache capacity bucket
 MIN_PROMPT_BUCKET = 8  # the smallest prefill width (its cache still holds MIN_BUCKET slots)
+# The fewest slots per device a compacted tail keeps: XLA:CPU computes a one-row dot with a matrix-vector kernel
+# whose sums round differently, while from a few rows up a row's bits do not depend on the row count.
+MIN_COMPACT_SLOTS = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -309,6 +315,19 @@ def _resize(slots: Slots, *, capacity: int) -> Slots:
 
 
 @jax.jit
+def _take_slots(slots: Slots, slot_k) -> Slots:
+    """Slots slot_k of `slots`, in that order: every per-slot array gathered (the per-layer FP8 scales kept)."""
+    def take(x):
+        return None if x is None else jnp.take(x, slot_k, axis=0)
+
+    cache = slots.cache.replace(k=tuple(map(take, slots.cache.k)), v=tuple(map(take, slots.cache.v)),
+                                lengths=take(slots.cache.lengths))
+    return slots.replace(cache=cache, tok=take(slots.tok), active=take(slots.active), req=take(slots.req),
+                         n_gen=take(slots.n_gen), out_tok=take(slots.out_tok), out_logp=take(slots.out_logp),
+                         out_exp=take(slots.out_exp))
+
+
+@jax.jit
 def _harvest(slots: Slots, slot_k):
     exp = None if slots.out_exp is None else slots.out_exp[slot_k]
     return slots.out_tok[slot_k], slots.out_logp[slot_k], exp
@@ -324,6 +343,10 @@ class EngineConfig:
     steps_per_round: int = 8
     prefill_batch: int = 8
     continuous: bool = True
+    # Continuous mode, once nothing waits: when at most 1/compact_tail of the slots still decode, move them into
+    # a slot set that fits them (the power of two, >= one per batch shard), so a long-tail response does not keep
+    # every slot's matmuls and attention running (0: never).
+    compact_tail: int = 4
     # The longest prompt expected (0: not known): prompts are prefilled at least at its power-of-two bucket
     # (>= MIN_PROMPT_BUCKET), else at least MIN_BUCKET columns wide.
     max_prompt_len: int = 0
@@ -332,6 +355,8 @@ class EngineConfig:
         for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.compact_tail == 1 or self.compact_tail < 0:
+            raise ValueError(f"EngineConfig.compact_tail must be 0 (never) or >= 2, got {self.compact_tail}")
         if self.max_prompt_len < 0:
             raise ValueError(f"EngineConfig.max_prompt_len must be >= 0 (0: not known), got {self.max_prompt_len}")
 
@@ -364,6 +389,7 @@ class Engine:
         self.record_routing = bool(record_routing)
         self.rounds = 0  # decode rounds run by the last generate (steps <= rounds * steps_per_round)
         self.capacities: list[int] = []  # the cache capacity of each of those rounds
+        self.slot_counts: list[int] = []  # and its number of slots (smaller once the tail is compacted)
         self.prefills = 0  # prefill calls of the last generate
         self.graphdef = self.state = None
         if model is not None:
@@ -411,7 +437,7 @@ class Engine:
             return slots
         from triage_jax import sharding as shd
 
-        s = self.config.max_slots
+        s = slots.tok.shape[0]
         return jax.tree.map(lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, x.ndim, self.rules)
                                                      if x.ndim and x.shape[0] == s
                                                      else shd.replicated(self.mesh)), slots)
@@ -423,6 +449,24 @@ class Engine:
         if all(not isinstance(x, jax.Array) or set(x.devices()) <= mine for x in jax.tree.leaves(state)):
             return state
         return jax.device_put(state, shd.replicated(self.mesh))
+
+    def _compacted(self, slots: Slots, owner: dict, host_len: np.ndarray):
+        """The tail compaction (EngineConfig.compact_tail): (slots, owner, host_len) moved into the smallest slot
+        set that holds the occupied slots (a power of two per device, >= MIN_COMPACT_SLOTS), or the inputs
+        unchanged when that would not shrink them. A request's numbers do not move: its draws are keyed by its id,
+        and a slot's computation depends on no other slot (tests/test_engine.py checks the bits)."""
+        s, k = slots.tok.shape[0], self.config.compact_tail
+        if not k or len(owner) * k > s:
+            return slots, owner, host_len
+        new = self.shards * max(MIN_COMPACT_SLOTS, bucket_length(-(-len(owner) // self.shards), 1))
+        if new >= s:
+            return slots, owner, host_len
+        kept = sorted(owner)
+        spare = next(j for j in range(s) if j not in owner)  # an empty slot pads the new set
+        idx = np.array(kept + [spare] * (new - len(kept)), np.int32)
+        slots = self._place(_take_slots(slots, jnp.asarray(idx)))
+        owner = {j: owner[old] for j, old in enumerate(kept)}
+        return slots, owner, np.concatenate([host_len[kept], np.zeros(new - len(kept), host_len.dtype)])
 
     def _capacity(self, need: int) -> int:
         cap = bucket_length(need)
@@ -458,7 +502,7 @@ class Engine:
         owner = {}  # slot -> request id
         host_len = np.zeros(s, np.int64)  # tokens each occupied slot holds after the last round (host mirror)
         done_reqs = 0
-        self.rounds, self.capacities, self.prefills = 0, [], 0
+        self.rounds, self.capacities, self.slot_counts, self.prefills = 0, [], [], 0
         while done_reqs < num:
             # Admit waiting samples into free slots (static mode: only into an empty engine).
             if free and (c.continuous or len(free) == s):
@@ -503,6 +547,7 @@ class Engine:
                                   policy=self.policy, st=st, steps=c.steps_per_round)
             self.rounds += 1
             self.capacities.append(slots.cache.max_len)
+            self.slot_counts.append(slots.tok.shape[0])
             active, n_gen = jax.device_get((slots.active, slots.n_gen))
             finished = [slot for slot in occupied if not active[slot]]
             for slot in occupied:
@@ -510,7 +555,7 @@ class Engine:
             if finished:
                 # A power-of-two count of slot indices (repeats of the last): one compiled gather per bucket,
                 # not one per number of finished slots.
-                idx = np.full(min(bucket_length(len(finished), 1), s), finished[-1], np.int32)
+                idx = np.full(min(bucket_length(len(finished), 1), slots.tok.shape[0]), finished[-1], np.int32)
                 idx[:len(finished)] = finished
                 toks, logps, exps = jax.device_get(_harvest(slots, jnp.asarray(idx)))
                 for k, slot in enumerate(finished):
@@ -521,6 +566,9 @@ class Engine:
                     free.append(slot)
                     done_reqs += 1
                 free.sort()
+            if c.continuous and not waiting and not pending:
+                slots, owner, host_len = self._compacted(slots, owner, host_len)
+                free = [j for j in range(slots.tok.shape[0]) if j not in owner]
         self.last_slot_devices = slots.cache.k[0].devices()
         mask = np.arange(r)[None, :] < out_len[:, None]
         p = int(lens.max())
