@@ -44,6 +44,7 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("rl.correction", "magic", "rl.correction"),
         ("rl.triage.g_hi", 0.01, "rl.triage.g_hi"),
         ("sampler.max_new_tokens", 0, "sampler.max_new_tokens"),
+        ("sampler.compact_tail", 1, "sampler.compact_tail"),
         # The overlong buffer is checked against the one response length, sampler.max_new_tokens (24).
         ("rl.overlong_buffer", 24, "sampler.max_new_tokens=24"),
         ("rl.token_tis.C", -1.0, "rl.token_tis"),

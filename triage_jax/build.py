@@ -125,7 +125,7 @@ def engine(c: ml_collections.ConfigDict, tok, model=None, *, mesh=None):
     return Engine(sampling(c, tok), EngineConfig(
         max_slots=slots, max_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens,
         steps_per_round=c.sampler.steps_per_round, prefill_batch=c.sampler.prefill_batch,
-        max_prompt_len=c.sampler.max_prompt_len),
+        max_prompt_len=c.sampler.max_prompt_len, compact_tail=c.sampler.compact_tail),
         policy=sampler_policy(c), pad_id=tok.pad_id, model=model, mesh=mesh, record_routing=c.rl.routing_replay)
 
 

@@ -102,6 +102,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.sampler.max_slots = 0  # decode slots of the rollout engine (0: one per response of a rollout batch)
     c.sampler.steps_per_round = 8  # decode steps per host round trip
     c.sampler.prefill_batch = 8  # prompts prefilled per call
+    # Once nothing waits and at most 1/compact_tail of the slots decode, move them into a smaller slot set (0: never)
+    c.sampler.compact_tail = 4
     # Per-layer precision rules ahead of sampler.precision (quant.policy.parse_rule: "REGEX=PRESET" on module paths,
     # "last:K=PRESET" / "first:K=PRESET" for decoder layers), e.g. ("lm_head$=w4a4",) quantizes the LM head too.
     c.sampler.rules = ()
@@ -244,6 +246,8 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         sect, name = key.split(".")
         if int(c[sect][name]) < 1:
             _fail(key, f"must be >= 1, got {c[sect][name]}")
+    if int(c.sampler.compact_tail) == 1 or int(c.sampler.compact_tail) < 0:
+        _fail("sampler.compact_tail", f"must be 0 (never) or >= 2, got {c.sampler.compact_tail}")
     for name in ("data", "fsdp", "tensor", "expert"):
         if int(c.mesh[name]) < 1:
             _fail(f"mesh.{name}", f"must be >= 1, got {c.mesh[name]}")
