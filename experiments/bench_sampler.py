@@ -290,7 +290,7 @@ def main(argv=None):
     if args.quick:
         args.new_tokens, args.batches, args.repeats = 8, "2", 1
         args.skew_requests, args.skew_max_new, args.skew_slots, args.skew_repeats = 16, 32, "4", 0
-    load = machine_load()
+    load = machine_load().with_foreign(ForeignCpu.sample(1.0))
     print(load.line(), flush=True)
     loads = {"start": load}
     meter, current = ForeignCpu(), [None]

@@ -171,7 +171,7 @@ def main(argv=None):
     from experiments.loadavg import ForeignCpu, machine_load
     from triage_jax import models
 
-    load = machine_load()
+    load = machine_load().with_foreign(ForeignCpu.sample(1.0))
     print(load.line(), flush=True)
     meter = ForeignCpu()  # the Tunix worker is our child: its CPU counts as ours, not as competition
     py = os.path.join(args.venv, "bin", "python")

@@ -17,6 +17,7 @@ children's), and `Load.with_foreign` judges a section by that:
     meter = ForeignCpu()
     ...section...
     load = machine_load().with_foreign(meter.take())   # "... ; others used 0.02 cores: idle"
+    start = machine_load().with_foreign(ForeignCpu.sample(1.0))  # before the first section
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ class ForeignCpu:
     def _now(self):
         busy = _busy_ticks()
         return None if busy is None else (time.monotonic(), busy, _own_ticks())
+
+    @classmethod
+    def sample(cls, seconds: float = 1.0) -> float | None:
+        """Other processes' average busy cores over the next `seconds` (this process sleeps): the load a benchmark
+        is about to compete with, which the decaying load average reports only a minute late."""
+        meter = cls()
+        time.sleep(seconds)
+        return meter.take()
 
     def take(self) -> float | None:
         """Average busy cores of other processes since the last take (or construction); None off Linux."""

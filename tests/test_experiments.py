@@ -421,3 +421,4 @@ def test_foreign_cpu_counts_other_processes_not_our_children():
     assert load.with_foreign(0.0).under_load is False
     assert load.with_foreign(load.cores * 0.3).under_load is True
     assert "other processes used 0.00 cores" in load.with_foreign(0.0).line()
+    assert ForeignCpu.sample(0.2) is not None
