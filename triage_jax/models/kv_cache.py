@@ -183,16 +183,25 @@ def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
 
 def copy_rows(buf_sksh: jax.Array, src_bksh: jax.Array, slot_m: jax.Array, row_m: jax.Array) -> jax.Array:
     """Rows row_m of a (prefill) cache buffer into rows slot_m of `buf` at slots [0, P) (a slot index past the
-    buffer's rows: dropped). Gather and scatter move the bits as unsigned integers when both buffers hold one
-    1- or 2-byte float type (see `scatter_set`: no float32 copy of the rows or of the buffer on XLA:CPU)."""
+    buffer's rows: dropped).
+
+    One row per step of a loop over the entries (a gather of one row, a scatter of it), so the insertion holds one
+    row of temporaries; a gather of all M rows at once held them all (M x the prompt's KV, replicated on every
+    device under the mesh). Gather and scatter move the bits as unsigned integers when both buffers hold one 1- or
+    2-byte float type (see `scatter_set`: no float32 copy of the buffer on XLA:CPU)."""
     p = src_bksh.shape[2]
     pos_1p = jnp.arange(p, dtype=jnp.int32)[None, :]
     dt = jnp.dtype(buf_sksh.dtype)
+    bits = None
     if jnp.dtype(src_bksh.dtype) == dt and jnp.issubdtype(dt, jnp.floating) and dt.itemsize <= 2:
         bits = {1: jnp.uint8, 2: jnp.uint16}[dt.itemsize]
-        src = jax.lax.bitcast_convert_type(src_bksh, bits)
-        rows = jnp.take(src, row_m, axis=0).transpose(0, 2, 1, 3)  # [M, P, KVH, Dh]
-        out = jax.lax.bitcast_convert_type(buf_sksh, bits).at[slot_m[:, None], :, pos_1p].set(rows, mode="drop")
-        return jax.lax.bitcast_convert_type(out, dt)
-    rows = src_bksh[row_m].astype(dt).transpose(0, 2, 1, 3)
-    return buf_sksh.at[slot_m[:, None], :, pos_1p].set(rows, mode="drop")
+        src, buf = jax.lax.bitcast_convert_type(src_bksh, bits), jax.lax.bitcast_convert_type(buf_sksh, bits)
+    else:
+        src, buf = src_bksh, buf_sksh
+
+    def one(m, buf):
+        row = jnp.take(src, row_m[m][None], axis=0).astype(buf.dtype).transpose(0, 2, 1, 3)  # [1, P, KVH, Dh]
+        return buf.at[slot_m[m][None, None], :, pos_1p].set(row, mode="drop")
+
+    out = jax.lax.fori_loop(0, slot_m.shape[0], one, buf)
+    return jax.lax.bitcast_convert_type(out, dt) if bits is not None else out
