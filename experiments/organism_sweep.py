@@ -110,6 +110,11 @@ def parse_args(argv=None):
 
 def study_args(args, cell: str):
     """The stability study's arguments for one cell (its arms, seeds, steps, the cell's overrides)."""
+    return stability.parse_args(study_argv(args, cell))
+
+
+def study_argv(args, cell: str) -> list[str]:
+    """`study_args`'s command line (also what a worker process of experiments/organism.py is given)."""
     spec = CELLS[cell]
     argv = ["--config", args.config, "--arms", args.arms, "--steps", str(args.steps), "--seeds", str(args.seeds),
             "--eval_problems", str(args.eval_problems), "--eval_n", str(args.eval_n), "--ks", "1",
@@ -123,7 +128,7 @@ def study_args(args, cell: str):
         argv += ["--qset", f"{k}={v!r}"]
     for item in args.overrides:
         argv += ["--set", item]
-    return stability.parse_args(argv)
+    return argv
 
 
 def window_means(history: list[dict], key: str, k: int) -> tuple[float, float]:

@@ -55,6 +55,8 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("train.ckpt_every", 0, "train.ckpt_every"),
         ("train.keep_checkpoints", 0, "train.keep_checkpoints"),
         ("train.max_nonfinite", 0, "train.max_nonfinite"),
+        ("train.save_deltas", -1, "train.save_deltas"),
+        ("train.energy_every", -2, "train.energy_every"),
         ("warmup.steps", 0, "warmup.steps"),
         ("warmup.batch_size", 0, "warmup.batch_size"),
         ("rl.max_resample", -1, "rl.max_resample"),

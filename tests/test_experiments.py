@@ -17,7 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments import common, mismatch_matrix, organism_sweep, stability  # noqa: E402
+from experiments import common, mismatch_matrix, organism, organism_staleness, organism_sweep, stability  # noqa: E402
 
 # Settings that make a run take seconds: a 4-step warm-up cached under tmp_path, 2 prompts x 4 responses.
 TINY_SET = ["warmup.steps=4", "warmup.batch_size=8", "rl.dynamic_sampling=False", "sampler.max_new_tokens=12"]
@@ -323,7 +323,7 @@ def test_stability_quick_writes_every_output(tmp_path):
 
 
 def test_scripts_have_a_cli_help():
-    for script in ("mismatch_matrix.py", "stability.py", "organism_sweep.py"):
+    for script in ("mismatch_matrix.py", "stability.py", "organism_sweep.py", "organism.py", "organism_staleness.py"):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), "--help"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "usage" in r.stdout, r.stderr
@@ -422,3 +422,113 @@ def test_foreign_cpu_counts_other_processes_not_our_children():
     assert load.with_foreign(load.cores * 0.3).under_load is True
     assert "other processes used 0.00 cores" in load.with_foreign(0.0).line()
     assert ForeignCpu.sample(0.2) is not None
+
+
+# ------------------------------------------------------------------------------------------------ organism study
+
+def test_organism_args_refuse_what_would_bias_the_study():
+    a = organism.parse_args(["--quick"])
+    assert a.steps == organism.QUICK["steps"] and a.k_rep == 1 and a.tag == "organism_quick"
+    assert organism.parse_args(["--staleness", "2"]).tag == "organism_stale2"
+    s = organism.stability_args(organism.parse_args(["--staleness", "1", "--k_rep", "7"]),
+                                {"rl.triage.tau_tail": 0.05})
+    assert s.overrides["rl.staleness"] == 1 and s.overrides["rl.triage.k_rep"] == 7
+    assert s.overrides["rl.triage.tau_tail"] == 0.05 and s.overrides["optim.lr"] == 5e-5  # the cell's lr
+    for bad in (["--seeds", "0,100"],  # the pilot's seed would be reported as a study seed
+                ["--cell", "nope"], ["--jobs", "0"], ["--jobs", "999"], ["--staleness", "-1"],
+                ["--thresholds", "/no/such/file.json"], ["--arms", "tis_from_branch"]):
+        with pytest.raises(SystemExit):
+            organism.parse_args(bad)
+
+
+def test_organism_plan_balances_workers_and_keeps_branches_with_parents():
+    arms = list(stability.ARMS)
+    bins = organism.plan(arms, [0, 1, 2], 2)
+    flat = [t for b in bins for t in b]
+    assert sorted(flat) == sorted((a, s) for a in arms for s in (0, 1, 2))  # every run exactly once
+    for b in bins:
+        for i, (arm, seed) in enumerate(b):
+            if arm in stability.BRANCH_PARENT:  # right after its parent, same seed, same worker
+                assert b[i - 1] == (stability.BRANCH_PARENT[arm], seed)
+        assert [s for _, s in b] == sorted(s for _, s in b)  # seed by seed: an interrupted study has whole seeds
+    loads = [sum(organism.COST.get(a, 1.0) for a, _ in b) for b in bins]
+    assert max(loads) - min(loads) <= 1.5  # at most one unit (the nvfp4 + branch pair) apart
+    one = ["bf16", "nvfp4", "tis_from_branch", "nvfp4_tis", "nvfp4_triage", "triage_no_repair", "opsm", "exact"]
+    assert organism.plan(arms, [0], 1) == [[(a, 0) for a in one]]
+
+
+def test_organism_lead_time_and_alarm_summary():
+    def run(collapsed, onset, first, level2=None):
+        return {"collapsed": collapsed, "collapse_step": onset, "first_alarm_step": first,
+                "first_alarms": {"level1": {"any": first}, "level2": {"any": level2}}}
+
+    assert organism.lead_time(run(True, 30, 12)) == 18 and organism.lead_time(run(True, 30, 35)) == -5
+    assert organism.lead_time(run(True, 30, None)) is None and organism.lead_time(run(False, None, 4)) is None
+    s = organism.alarm_summary({"bf16": {0: run(False, None, 5), 1: run(False, None, None)},
+                                "exact": {0: run(False, None, None)},
+                                "nvfp4": {0: run(True, 30, 12, 20), 1: run(False, None, 9)}})
+    assert s["control_false_alarm_rate"] == pytest.approx(1 / 3)
+    n = s["per_arm"]["nvfp4"]
+    assert (n["collapsed"], n["alarmed_level1"], n["alarmed_level2"], n["lead_times"], n["false_alarms"],
+            n["not_collapsed"]) == (1, 2, 1, [18], 1, 1)
+
+
+def test_organism_quick_two_workers_writes_the_results(tmp_path):
+    """Pilot -> thresholds file -> two pinned workers -> organism.json / .md / figure, the thresholds reaching the
+    TRIAGE run and --replot redrawing the same table."""
+    jobs = min(2, len(os.sched_getaffinity(0)))
+    argv = ["--quick", "--config", "tiny", "--arms", "nvfp4,tis_from_branch,nvfp4_triage", "--jobs", str(jobs),
+            "--results", str(tmp_path / "res"), "--figures", str(tmp_path / "fig"),
+            "--out_dir", str(tmp_path / "runs"), "--compile_cache", ""]
+    for s in TINY_SET + [f"warmup.cache_dir={tmp_path / 'warm'}"]:
+        argv += ["--set", s]
+    assert organism.main(argv) == 0
+    th = json.load(open(tmp_path / "res" / "organism_quick_thresholds.json"))
+    assert th["pilot"]["seed"] == 100 and th["pilot"]["tokens"] > 0
+    assert set(th["proposed"]) == {"tau_tail", "f_lo", "f_hi", "g_lo", "g_hi"}
+    res = json.load(open(tmp_path / "res" / "organism_quick.json"))
+    assert res["thresholds"]["proposed"] == th["proposed"]
+    assert set(res["arms"]) == {"nvfp4", "tis_from_branch", "nvfp4_triage"}
+    for arm, per_seed in res["arms"].items():
+        r = per_seed["0"]
+        for key in ("collapsed", "collapse_step", "first_alarm_step", "final", "eval", "lead_time", "drift"):
+            assert key in r, (arm, key)
+        assert 0.0 <= r["eval"]["avg@2"] <= 1.0 and len(common.read_history(r["run_dir"])) == 3
+        cfg = common.config_from_json(os.path.join(r["run_dir"], "config.json"))
+        assert cfg.rl.triage.tau_tail == pytest.approx(th["proposed"]["tau_tail"])  # fixed before every run
+        assert os.path.getmtime(tmp_path / "res" / "organism_quick_thresholds.json") < \
+            os.path.getmtime(os.path.join(r["run_dir"], "history.json"))
+    assert sorted(os.listdir(tmp_path / "runs" / "workers")) == [f"worker{j}.log" for j in range(jobs)]
+    md = (tmp_path / "res" / "organism_quick.md").read_text()
+    assert "| tau_tail |" in md and "false-alarm rate" in md
+    assert (tmp_path / "fig" / "organism_quick.png").stat().st_size > 1000
+    assert organism.main(argv + ["--replot"]) == 0
+    assert (tmp_path / "res" / "organism_quick.md").read_text() == md
+
+
+def test_organism_staleness_quick_reports_each_delta_part(tmp_path):
+    """s = 0 and 1 of the stale-policy study on the tiny config: one record per (s, arm, seed), the precision-gated
+    TRIAGE only where staleness exists, per-part alarms only where the parts are logged."""
+    th = tmp_path / "th.json"
+    common.write_json(str(th), {"overrides": {"rl.triage.tau_tail": 0.05}})
+    argv = ["--quick", "--staleness", "0,1", "--arms", "nvfp4_triage", "--thresholds", str(th),
+            "--results", str(tmp_path / "res"), "--config", "tiny", "--jobs", "1", "--figures", str(tmp_path / "fig"),
+            "--out_dir", str(tmp_path / "runs"), "--compile_cache", ""]
+    for s in TINY_SET + [f"warmup.cache_dir={tmp_path / 'warm'}"]:
+        argv += ["--set", s]
+    argv_s = organism_staleness.parse_args(argv)
+    names = [n for n, _ in organism_staleness.studies(argv_s)]
+    assert names == ["organism_staleness_quick_s0", "organism_staleness_quick_s1",
+                     "organism_staleness_quick_s1_precision"]
+    assert all(os.path.join(str(tmp_path / "runs"), n) in a for n, a in organism_staleness.studies(argv_s))
+    assert organism_staleness.main(argv) == 0
+    rep = json.load(open(tmp_path / "res" / "organism_staleness_quick.json"))["studies"]
+    assert set(rep) == {"0", "1"}
+    assert set(rep["0"]) == {"nvfp4_triage"} and set(rep["1"]) == {"nvfp4_triage", "nvfp4_triage@precision"}
+    assert set(rep["0"]["nvfp4_triage"]["0"]["alarms"]) == {"mismatch"}
+    r1 = rep["1"]["nvfp4_triage@precision"]["0"]
+    assert set(r1["alarms"]) == {"mismatch", "mismatch_precision", "mismatch_staleness"}
+    cfg = common.config_from_json(os.path.join(r1["run_dir"], "config.json"))
+    assert (cfg.rl.staleness, cfg.rl.delta_source, cfg.rl.triage.tau_tail) == (1, "precision", 0.05)
+    md = (tmp_path / "res" / "organism_staleness_quick.md").read_text()
+    assert md.count("| nvfp4_triage") == 3

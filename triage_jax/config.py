@@ -175,6 +175,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 3
     c.train.max_nonfinite = 3  # consecutive non-finite updates before the run stops
     c.train.energy_every = 10  # steps between delta_energy_realized measurements (a second learner forward); 0: off
+    c.train.save_deltas = 0  # every k-th step's token deltas to run_dir/deltas (triage_jax.deltas, a pilot); 0: off
     c.train.progress = True
 
     c.mesh = ml_collections.ConfigDict()
@@ -317,6 +318,10 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         sect, name = key.split(".")
         if int(c[sect][name]) < 1:
             _fail(key, f"must be >= 1, got {c[sect][name]}")
+    for key in ("train.energy_every", "train.save_deltas"):
+        v = c.train[key.split(".")[1]]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            _fail(key, f"must be an int >= 0 (0: off), got {v!r}")
     if c.warmup.enabled:
         for key in ("warmup.steps", "warmup.batch_size"):
             if int(c.warmup[key.split(".")[1]]) < 1:

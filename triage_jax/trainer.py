@@ -32,6 +32,7 @@ from flax import nnx
 
 from triage_jax import build, sampler
 from triage_jax import checkpoint as ckpt_lib
+from triage_jax import deltas
 from triage_jax import rollout as rollout_lib
 from triage_jax.config import ConfigError, validate
 from triage_jax.data import pipeline
@@ -56,10 +57,17 @@ class Interrupted(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What one GRPO step reports: its scalar metrics and the real tokens' delta (for the histogram)."""
+    """What one GRPO step reports: its scalar metrics and the token deltas (the histogram, train.save_deltas)."""
 
     metrics: dict[str, float]
-    delta: np.ndarray
+    delta_nr: np.ndarray  # float32 [N, R], the delta the correction acted on (rl.delta_source)
+    mask_nr: np.ndarray  # float32 [N, R] real response tokens
+    adv_n: np.ndarray  # float32 [N]
+
+    @property
+    def delta(self) -> np.ndarray:
+        """The real tokens' delta, flat."""
+        return self.delta_nr[self.mask_nr > 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +311,8 @@ class Trainer:
             raise NonFiniteError(f"{streak} consecutive updates had a non-finite loss, gradient or new state "
                                  f"(step {self.step}; limit config.train.max_nonfinite={c.train.max_nonfinite}); "
                                  f"{where}")
-        return StepResult(out, np.asarray(delta)[mask > 0])
+        return StepResult(out, np.asarray(delta, np.float32), np.asarray(mask, np.float32),
+                          np.asarray(ro.adv, np.float32))
 
     def _learn(self, ro: rollout_lib.Rollout, behaviour=None):
         """Old log-probs, corrections + diagnostics, the mini-batch updates and the energy measurement of one
@@ -467,6 +476,8 @@ class Trainer:
                 self.history.append(m)
                 self.step += 1
                 self._log(writer, m, res.delta)
+                if lead and c.train.save_deltas and m["step"] % c.train.save_deltas == 0:
+                    deltas.write(self.run_dir, m["step"], res.delta_nr, res.mask_nr, res.adv_n)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{m['reward/mean']:+.3f}", acc=f"{m['reward/accuracy']:.2f}",
