@@ -35,14 +35,15 @@ import numpy as np  # noqa: E402
 
 from experiments import common, organism_sweep, stability  # noqa: E402
 
-# Relative cost of one run of each arm (exact mode's learner is ~1.2x; a branch trains only after branch_step).
-COST = {"exact": 1.2, "nvfp4_triage": 1.05, "triage_no_repair": 1.05, "tis_from_branch": 0.5}
+# Relative cost of one run of each arm, measured on the organism (exact mode: 802 s vs 326-407 s, its learner runs
+# the W4A4 emulation; a branch trains only after branch_step).
+COST = {"exact": 2.0, "nvfp4_triage": 1.05, "triage_no_repair": 1.05, "tis_from_branch": 0.5}
 CONTROLS = ("bf16", "exact")  # no precision mismatch reaches their objective: any alarm there is a false alarm
 # With rl.staleness >= 1 the trainer also logs the two parts of delta (docs/rl_math.md#stale-rollouts).
 STALE_WATCHED = tuple(f"mismatch_{part}/{m}" for part in ("precision", "staleness")
                       for m in ("mean_abs_delta", "rho_asym", "delta_q05", "tail_persistence"))
 
-DEFAULTS = dict(steps=40, seeds="0,1,2", pilot_steps=10, eval_problems=32, eval_n=4, jobs=2)
+DEFAULTS = dict(steps=40, seeds="0,1,2", pilot_steps=10, eval_problems=32, eval_n=4, jobs=2)  # jobs: at most the cores
 QUICK = dict(steps=3, seeds="0", pilot_steps=2, eval_problems=2, eval_n=2, jobs=1)
 
 
@@ -70,14 +71,17 @@ def parse_args(argv=None):
     p.add_argument("--figures", default=common.FIGURES)
     p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
                    help="JAX persistent compilation cache folder ('' to disable)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs under --out_dir that finished with the same config (an interrupted study)")
     p.add_argument("--replot", action="store_true", help="redraw the tables and figure from <tag>.json")
     p.add_argument("--tag", default=None, help="file name stem of the outputs (default organism[_quick])")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "arm:seed,..." (a worker process)
     p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)  # the worker's core
     args = p.parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
     for k, v in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, k) is None:
-            setattr(args, k, v)
+            setattr(args, k, min(v, cores) if k == "jobs" else v)
     if args.cell not in organism_sweep.CELLS:
         p.error(f"--cell: unknown {args.cell!r}; choose from {list(organism_sweep.CELLS)}")
     seeds = [int(s) for s in str(args.seeds).split(",") if s]
@@ -87,8 +91,8 @@ def parse_args(argv=None):
     for name in ("pilot_steps", "jobs"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not args.worker and args.jobs > len(os.sched_getaffinity(0)):
-        p.error(f"--jobs {args.jobs}: this process may run on {len(os.sched_getaffinity(0))} core(s) only")
+    if not args.worker and args.jobs > cores:
+        p.error(f"--jobs {args.jobs}: this process may run on {cores} core(s) only")
     if args.staleness < 0:
         p.error(f"--staleness must be >= 0, got {args.staleness}")
     if args.k_rep is None:
@@ -158,15 +162,18 @@ def run_pilot(args, log) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the runs
 
-def plan(arms: list[str], seeds: list[int], jobs: int) -> list[list[tuple[str, int]]]:
+def plan(arms: list[str], seeds: list[int], jobs: int, done=frozenset()) -> list[list[tuple[str, int]]]:
     """The (arm, seed) runs split over `jobs` workers, longest first onto the least loaded (a branch travels with
-    its parent, right after it); each worker's list in seed order, parents before branches."""
+    its parent, right after it); each worker's list in seed order, parents before branches. A parent and its
+    branches are left out only when all of them are in `done`."""
     units = []
     for seed in seeds:
         for arm in arms:
             if arm in stability.BRANCH_PARENT:
                 continue
             members = [arm] + [ch for ch, par in stability.BRANCH_PARENT.items() if par == arm and ch in arms]
+            if all((a, seed) in done for a in members):
+                continue
             units.append((sum(COST.get(a, 1.0) for a in members), seed, members))
     loads, bins = [0.0] * jobs, [[] for _ in range(jobs)]
     for cost, seed, members in sorted(units, key=lambda u: -u[0]):
@@ -182,6 +189,20 @@ def outcome_path(run_dir: str) -> str:
     return os.path.join(run_dir, "outcome.json")
 
 
+def finished(sargs) -> set[tuple[str, int]]:
+    """The (arm, seed) runs whose outcome is on disk and whose saved config is the one this study would run."""
+    out = set()
+    for arm in sargs.arms:
+        for seed in sargs.seeds:
+            c = stability.arm_config(sargs, arm, seed)
+            saved = os.path.join(c.run_dir, "config.json")
+            if os.path.exists(outcome_path(c.run_dir)) and os.path.exists(saved):
+                with open(saved) as f:
+                    if json.load(f) == json.loads(c.to_json()):
+                        out.add((arm, seed))
+    return out
+
+
 def run_tasks(sargs, tasks: list[tuple[str, int]], log) -> None:
     """Train each (arm, seed) in order; each run's outcome (all but its history) goes next to its history.json."""
     for arm, seed in tasks:
@@ -195,7 +216,7 @@ def run_workers(args, bins, log) -> None:
     cores = sorted(os.sched_getaffinity(0))
     logs = os.path.join(args.out_dir, "workers")
     os.makedirs(logs, exist_ok=True)
-    argv = [a for a in sys.argv[1:]] if args._argv is None else list(args._argv)
+    argv = list(sys.argv[1:] if args._argv is None else args._argv)
     procs = []
     for j, tasks in enumerate(bins):
         if not tasks:
@@ -293,6 +314,13 @@ def report(res: dict, sargs) -> str:
         al_rows.append([arm, f"{a['collapsed']}/{a['runs']}", f"{a['alarmed_level1']}/{a['runs']}",
                         f"{a['alarmed_level2']}/{a['runs']}", leads,
                         f"{a['false_alarms']}/{a['not_collapsed']}" if a["not_collapsed"] else "-"])
+    fin_rows = []
+    for arm, per in res["arms"].items():
+        row = [arm]
+        for key in stability.FINAL_KEYS:
+            xs = np.asarray([r["final"][key] for r in per.values() if r["final"].get(key) is not None], float)
+            row.append("-" if not xs.size else f"{xs.mean():.4g} +- {xs.std():.2g}")
+        fin_rows.append(row)
     reg = res["regime"]
     base = res["warmup_eval"] or {}
     n = sargs.eval_n
@@ -309,6 +337,9 @@ def report(res: dict, sargs) -> str:
             f"Final values: the last {res['final_window']} steps of each run, mean +- std over seeds; avg@{n} / "
             f"pass@k on {sargs.eval_problems} held-out problems (BF16 sampling, T = 1).\n\n"
             + stability.results_table(study, sargs) + "\n\n"
+            "Every final diagnostic (tail concentration and hidden-by-mean included), mean +- std over seeds:\n\n"
+            + common.markdown_table(["arm"] + [k.replace("mismatch/", "") for k in stability.FINAL_KEYS], fin_rows)
+            + "\n\n"
             f"First -> last {res['final_window']} steps (mean over steps and seeds):\n\n"
             + stability.drift_table(study, sargs) + "\n\n"
             "Alarms (`rl.monitor`, the run's thresholds): runs alarmed per level, the lead time of the first "
@@ -370,6 +401,8 @@ def main(argv=None) -> int:
         warmup_eval = stability.evaluate_model(model, tok, c0, sargs)
         del model
         log(f"warm-up policy: avg@{sargs.eval_n} {warmup_eval[f'avg@{sargs.eval_n}']:.3f}")
+        if args.thresholds is None and args.resume and os.path.exists(thresholds_path(args)):
+            args.thresholds = thresholds_path(args)  # the interrupted study's own pilot
         th = load_thresholds(args.thresholds) if args.thresholds else run_pilot(args, log)
         if args.thresholds:  # the workers read the same file under this tag's name
             os.makedirs(args.results, exist_ok=True)
@@ -378,9 +411,12 @@ def main(argv=None) -> int:
         sargs = stability_args(args, th["overrides"])
         for seed in sargs.seeds:  # link every seed's warm-up here, before workers could race to do it
             common.share_warmup(stability.arm_config(sargs, sargs.arms[0], seed), sargs.warmup_seed)
-        bins = plan(sargs.arms, sargs.seeds, args.jobs)
+        done = finished(sargs) if args.resume else set()
+        if done:
+            log(f"--resume: keeping {len(done)} finished runs")
+        bins = plan(sargs.arms, sargs.seeds, args.jobs, done)
         if args.jobs == 1:
-            run_tasks(sargs, bins[0], log)
+            run_tasks(sargs, bins[0] if bins else [], log)
         else:
             run_workers(args, bins, log)
     runs = collect(sargs)

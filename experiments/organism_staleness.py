@@ -3,12 +3,12 @@ staleness mismatch side by side.
 
     python experiments/organism_staleness.py [--staleness 0,1,2] [--arms nvfp4,nvfp4_tis,nvfp4_triage,opsm]
         [--steps 20] [--seeds 0,1,2] [--thresholds experiments/results/organism_thresholds.json] [--jobs 2]
-        [--no_precision_gate] [--quick] [--tag organism_staleness]
+        [--precision_gate 2] [--quick] [--tag organism_staleness]
 
 Each staleness value s is one `experiments/organism.py --staleness s` study (same cell, thresholds fixed by the
-organism study's pilot, its worker processes), tagged <tag>_s<s>; for s >= 1 a TRIAGE run gating on the precision
-part of delta (`rl.delta_source=precision`) is added as arm `nvfp4_triage@precision` unless --no_precision_gate.
-The combined report (<tag>.{md,json}) answers the two questions of the stale-policy study:
+organism study's pilot, its worker processes), tagged <tag>_s<s>; at the --precision_gate values (default: the
+largest s) a TRIAGE run gating on the precision part of delta (`rl.delta_source=precision`) is added as arm
+`nvfp4_triage@precision`. Other flags (--jobs, --cell, --set, --config ...) go to every study. The combined report (<tag>.{md,json}) answers the two questions of the stale-policy study:
 
 - does the direction signal still warn first: per delta part (total, precision, staleness), the first step of the
   rho_asym alarm against the delta_q05 (size) alarm, `rl.monitor`'s thresholds replayed on that part's history;
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from experiments import common, organism  # noqa: E402
+from experiments import common, organism, organism_sweep  # noqa: E402
 
 PARTS = ("mismatch", "mismatch_precision", "mismatch_staleness")
 PRECISION_GATE = "nvfp4_triage@precision"
@@ -41,12 +40,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--staleness", default="0,1,2", help="comma-separated rl.staleness values")
     p.add_argument("--arms", default="nvfp4,nvfp4_tis,nvfp4_triage,opsm")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 20; --quick: organism.py's)")
+    p.add_argument("--seeds", default=None, help="comma-separated RL seeds (default 0,1,2; --quick: organism.py's)")
     p.add_argument("--thresholds", default=os.path.join(common.ROOT, "experiments", "results",
                                                          "organism_thresholds.json"),
                    help="TRIAGE thresholds fixed beforehand: the organism study's pilot (experiments/organism.py)")
-    p.add_argument("--no_precision_gate", action="store_true", help="skip the TRIAGE-on-precision-delta arm")
+    p.add_argument("--precision_gate", default=None,
+                   help="staleness values that also run TRIAGE gating on the precision delta (default: the largest "
+                        "s; '' for none)")
     p.add_argument("--quick", action="store_true", help="organism.py's --quick settings")
     p.add_argument("--tag", default=None, help="file name stem (default organism_staleness[_quick])")
     p.add_argument("--results", default=os.path.join(common.ROOT, "experiments", "results"))
@@ -54,9 +55,17 @@ def parse_args(argv=None):
                    help="each study's runs go to OUT_DIR/<its tag>")
     p.add_argument("--report_only", action="store_true", help="rebuild the report from the per-s results")
     args, rest = p.parse_known_args(argv)  # the rest goes to every organism.py study (--jobs, --set, --cell ...)
+    preset = organism.QUICK if args.quick else {"steps": 20, "seeds": "0,1,2"}
+    args.steps = preset["steps"] if args.steps is None else args.steps
+    args.seeds = preset["seeds"] if args.seeds is None else args.seeds
     args.staleness = [int(s) for s in args.staleness.split(",") if s]
     if not args.staleness or min(args.staleness) < 0:
         p.error(f"--staleness: need values >= 0, got {args.staleness}")
+    gate = str(max(args.staleness)) if args.precision_gate is None else args.precision_gate
+    args.precision_gate = [int(s) for s in gate.split(",") if s]
+    if any(s not in args.staleness or s == 0 for s in args.precision_gate):
+        p.error(f"--precision_gate: each value must be one of --staleness {args.staleness} and >= 1 (at s = 0 the "
+                f"precision delta is the total), got {args.precision_gate}")
     if not os.path.exists(args.thresholds):
         p.error(f"--thresholds: {args.thresholds} does not exist; run experiments/organism.py first (its pilot "
                 "writes it) or point at another <tag>_thresholds.json")
@@ -78,7 +87,7 @@ def studies(args) -> list[tuple[str, list[str]]]:
         name = f"{args.tag}_s{s}"
         out.append((name, common_argv + ["--staleness", str(s), "--arms", args.arms, "--tag", name,
                                          "--out_dir", os.path.join(args.out_dir, name)]))
-        if s and not args.no_precision_gate and "nvfp4_triage" in args.arms.split(","):
+        if s in args.precision_gate:
             gate = f"{name}_precision"
             out.append((gate, common_argv + ["--staleness", str(s), "--arms", "nvfp4_triage",
                                              "--set", "rl.delta_source='precision'", "--tag", gate,
@@ -108,15 +117,6 @@ def part_alarms(history: list[dict], monitor_settings: dict) -> dict:
     return out
 
 
-def window(history: list[dict], key: str, k: int) -> tuple[float, float]:
-    def mean(rows):
-        v = [r.get(key) for r in rows]
-        v = [float(x) for x in v if x is not None and math.isfinite(x)]
-        return float(np.mean(v)) if v else math.nan
-
-    return mean(history[:k]), mean(history[-k:])
-
-
 def collect(args) -> dict:
     """Every finished study's runs: {s: {arm: {seed: record}}}, records from organism.py's results plus per-part
     first -> last windows and alarms."""
@@ -135,8 +135,9 @@ def collect(args) -> dict:
                 cfg = common.config_from_json(os.path.join(r["run_dir"], "config.json"))
                 rec = {"collapsed": r["collapsed"], "first_alarm_step": r["first_alarm_step"], "eval": r["eval"],
                        "run_dir": r["run_dir"], "alarms": part_alarms(hist, cfg.monitor.to_dict()),
-                       "windows": {f"{p}/{m}": window(hist, f"{p}/{m}", k) for p in PARTS for m, _, _ in COLUMNS},
-                       "overlap_frac": window(hist, "time/overlap_frac", len(hist))[0]}
+                       "windows": {f"{p}/{m}": organism_sweep.window_means(hist, f"{p}/{m}", k)
+                                   for p in PARTS for m, _, _ in COLUMNS},
+                       "overlap_frac": organism_sweep.window_means(hist, "time/overlap_frac", len(hist))[0]}
                 out.setdefault(str(s), {}).setdefault(label, {})[seed] = rec
     return out
 

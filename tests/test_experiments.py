@@ -452,7 +452,7 @@ def test_organism_plan_balances_workers_and_keeps_branches_with_parents():
                 assert b[i - 1] == (stability.BRANCH_PARENT[arm], seed)
         assert [s for _, s in b] == sorted(s for _, s in b)  # seed by seed: an interrupted study has whole seeds
     loads = [sum(organism.COST.get(a, 1.0) for a, _ in b) for b in bins]
-    assert max(loads) - min(loads) <= 1.5  # at most one unit (the nvfp4 + branch pair) apart
+    assert max(loads) - min(loads) <= 1.0  # within one run of each other
     one = ["bf16", "nvfp4", "tis_from_branch", "nvfp4_tis", "nvfp4_triage", "triage_no_repair", "opsm", "exact"]
     assert organism.plan(arms, [0], 1) == [[(a, 0) for a in one]]
 
@@ -498,12 +498,21 @@ def test_organism_quick_two_workers_writes_the_results(tmp_path):
         assert cfg.rl.triage.tau_tail == pytest.approx(th["proposed"]["tau_tail"])  # fixed before every run
         assert os.path.getmtime(tmp_path / "res" / "organism_quick_thresholds.json") < \
             os.path.getmtime(os.path.join(r["run_dir"], "history.json"))
-    assert sorted(os.listdir(tmp_path / "runs" / "workers")) == [f"worker{j}.log" for j in range(jobs)]
+    if jobs > 1:  # one log per worker (one core: the runs ran in this process)
+        assert sorted(os.listdir(tmp_path / "runs" / "workers")) == [f"worker{j}.log" for j in range(jobs)]
     md = (tmp_path / "res" / "organism_quick.md").read_text()
     assert "| tau_tail |" in md and "false-alarm rate" in md
     assert (tmp_path / "fig" / "organism_quick.png").stat().st_size > 1000
     assert organism.main(argv + ["--replot"]) == 0
     assert (tmp_path / "res" / "organism_quick.md").read_text() == md
+    # --resume keeps every finished run (same config) and the pilot's thresholds: nothing retrains.
+    stamps = {arm: os.path.getmtime(os.path.join(per["0"]["run_dir"], "history.json"))
+              for arm, per in res["arms"].items()}
+    assert organism.main(argv + ["--resume"]) == 0
+    again = json.load(open(tmp_path / "res" / "organism_quick.json"))
+    for arm, per in again["arms"].items():
+        assert os.path.getmtime(os.path.join(per["0"]["run_dir"], "history.json")) == stamps[arm]
+        assert per["0"]["eval"] == res["arms"][arm]["0"]["eval"]
 
 
 def test_organism_staleness_quick_reports_each_delta_part(tmp_path):

@@ -57,7 +57,7 @@ class Pool:
 def read(run_dir: str, steps: range | list[int] | None = None) -> Pool:
     """The saved deltas of `steps` (default: all saved), pooled. Names the folder when nothing is there."""
     have = saved_steps(run_dir)
-    want = have if steps is None else [s for s in steps if s in set(have)]
+    want = have if steps is None else sorted(set(steps) & set(have))
     if not want:
         hint = ("no deltas were saved: run the pilot with train.save_deltas=1" if not have
                 else f"saved steps are {have[0]}..{have[-1]}, none in the requested {steps}")
