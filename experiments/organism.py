@@ -364,10 +364,18 @@ def write_outputs(args, sargs, res: dict, log) -> str:
 
 
 def load_thresholds(path: str) -> dict:
+    """A pilot's thresholds file, or a hand-written one holding only {"overrides": {"rl.triage.KEY": value}}
+    (its "proposed" are then those values, its "default" TriageConfig's)."""
+    from triage_jax import deltas
+    from triage_jax.rl.triage import TriageConfig
+
     with open(path) as f:
         rec = json.load(f)
-    if "overrides" not in rec:
-        raise ValueError(f"{path}: not a thresholds file (no 'overrides'); written by a pilot of this script")
+    if not isinstance(rec.get("overrides"), dict):
+        raise ValueError(f"{path}: not a thresholds file (no 'overrides' mapping); written by a pilot of this script")
+    given = {k.removeprefix("rl.triage."): v for k, v in rec["overrides"].items()}
+    rec.setdefault("default", {k: getattr(TriageConfig(), k) for k in deltas.THRESHOLD_KEYS})
+    rec.setdefault("proposed", {k: given.get(k, rec["default"][k]) for k in deltas.THRESHOLD_KEYS})
     return rec
 
 

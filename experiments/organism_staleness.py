@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -164,8 +165,10 @@ def report(data: dict, args) -> str:
             for part in PARTS:
                 for m, _, digits in COLUMNS[:2] if part != "mismatch" else COLUMNS:
                     key = f"{part}/{m}"
-                    first = np.nanmean([r["windows"][key][0] for r in runs])
-                    last = np.nanmean([r["windows"][key][1] for r in runs])
+                    with warnings.catch_warnings():  # a part never logged (s = 0) prints as '-'
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        first = np.nanmean([r["windows"][key][0] for r in runs])
+                        last = np.nanmean([r["windows"][key][1] for r in runs])
                     row.append(f"{common.fmt(float(first), digits)} -> {common.fmt(float(last), digits)}")
             for part in PARTS:
                 row.append(" ".join(direction_first(r["alarms"][part]) if part in r["alarms"] else "."
@@ -178,8 +181,7 @@ def report(data: dict, args) -> str:
               + [f"{p.split('_')[1]} {lb}" for p in PARTS[1:] for _, lb, _ in COLUMNS[:2]]
               + [f"first alarm ({p.replace('mismatch_', '') if '_' in p else 'total'})" for p in PARTS]
               + ["avg@n"])
-    with np.errstate(all="ignore"):
-        table = common.markdown_table(header, rows)
+    table = common.markdown_table(header, rows)
     return (f"## {args.tag}: stale-policy GRPO on the organism, {args.steps} steps, seeds {args.seeds}\n\n"
             "Columns: first -> last window of each metric, mean over seeds, for the total delta and its precision "
             "and staleness parts (docs/rl_math.md#stale-rollouts); 'first alarm': per seed, whether rl.monitor's "

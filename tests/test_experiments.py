@@ -523,7 +523,9 @@ def test_organism_staleness_quick_reports_each_delta_part(tmp_path):
     argv = ["--quick", "--staleness", "0,1", "--arms", "nvfp4_triage", "--thresholds", str(th),
             "--results", str(tmp_path / "res"), "--config", "tiny", "--jobs", "1", "--figures", str(tmp_path / "fig"),
             "--out_dir", str(tmp_path / "runs"), "--compile_cache", ""]
-    for s in TINY_SET + [f"warmup.cache_dir={tmp_path / 'warm'}"]:
+    # Overlong shaping gives the barely warmed-up model's all-wrong groups distinct rewards: the weights move,
+    # so the stale runs' staleness delta is not zero.
+    for s in TINY_SET + [f"warmup.cache_dir={tmp_path / 'warm'}", "rl.overlong_buffer=8"]:
         argv += ["--set", s]
     argv_s = organism_staleness.parse_args(argv)
     names = [n for n, _ in organism_staleness.studies(argv_s)]
@@ -539,5 +541,7 @@ def test_organism_staleness_quick_reports_each_delta_part(tmp_path):
     assert set(r1["alarms"]) == {"mismatch", "mismatch_precision", "mismatch_staleness"}
     cfg = common.config_from_json(os.path.join(r1["run_dir"], "config.json"))
     assert (cfg.rl.staleness, cfg.rl.delta_source, cfg.rl.triage.tau_tail) == (1, "precision", 0.05)
+    assert r1["windows"]["mismatch_staleness/mean_abs_delta"][1] > 0  # step 2 trains on step 1's rollout
+    assert r1["windows"]["mismatch_precision/mean_abs_delta"][1] > 0
     md = (tmp_path / "res" / "organism_staleness_quick.md").read_text()
     assert md.count("| nvfp4_triage") == 3
