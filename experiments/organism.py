@@ -137,15 +137,9 @@ def run_pilot(args, log) -> dict:
     pargs.arms, pargs.seeds, pargs.steps = ["nvfp4"], [args.pilot_seed], args.pilot_steps
     pargs.out_dir = os.path.join(args.out_dir, "pilot")
     pargs.overrides = {**pargs.overrides, "train.save_deltas": 1}
-    c = stability.arm_config(pargs, "nvfp4", args.pilot_seed)
-    common.share_warmup(c, pargs.warmup_seed)
-    stability.fresh_run_dir(c.run_dir)
-    with open(os.path.join(c.run_dir, "config.json"), "w") as f:
-        f.write(c.to_json(indent=1))
-    from triage_jax.trainer import Trainer
-
     t0 = time.perf_counter()
-    Trainer(c, progress=False).run(resume=False)
+    stability.run_one(pargs, "nvfp4", args.pilot_seed, log)  # the study's own run path, with its deltas saved
+    c = stability.arm_config(pargs, "nvfp4", args.pilot_seed)
     base = make_config("triage", c.rl.triage.to_dict())
     proposed, pool = deltas.propose(c.run_dir, base)
     rec = {"pilot": {"arm": "nvfp4", "seed": args.pilot_seed, "steps": args.pilot_steps, "run_dir": c.run_dir,
