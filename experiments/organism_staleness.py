@@ -3,7 +3,7 @@ staleness mismatch side by side.
 
     python experiments/organism_staleness.py [--staleness 0,1,2] [--arms nvfp4,nvfp4_tis,nvfp4_triage,opsm]
         [--steps 20] [--seeds 0,1,2] [--thresholds experiments/results/organism_thresholds.json] [--jobs 2]
-        [--precision_gate 2] [--quick] [--tag organism_staleness]
+        [--precision_gate 2] [--quick] [--tag organism_staleness] [--merge results/<earlier tag>.json ...]
 
 Each staleness value s is one `experiments/organism.py --staleness s` study (same cell, thresholds fixed by the
 organism study's pilot, its worker processes), tagged <tag>_s<s>; at the --precision_gate values (default: the
@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from experiments import common, organism, organism_sweep  # noqa: E402
+from experiments import common, organism, organism_sweep, stability  # noqa: E402
 
 PARTS = ("mismatch", "mismatch_precision", "mismatch_staleness")
 PRECISION_GATE = "nvfp4_triage@precision"
@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--out_dir", default=os.path.join(common.ROOT, "runs"),
                    help="each study's runs go to OUT_DIR/<its tag>")
     p.add_argument("--report_only", action="store_true", help="rebuild the report from the per-s results")
+    p.add_argument("--merge", nargs="*", default=[],
+                   help="earlier combined reports (<tag>.json) of the same steps, seeds and thresholds whose runs join "
+                        "this report where this study has no run of that (s, arm)")
     args, rest = p.parse_known_args(argv)  # the rest goes to every organism.py study (--jobs, --set, --cell ...)
     preset = organism.QUICK if args.quick else {"steps": 20, "seeds": "0,1,2"}
     args.steps = preset["steps"] if args.steps is None else args.steps
@@ -72,6 +75,16 @@ def parse_args(argv=None):
                 "writes it) or point at another <tag>_thresholds.json")
     args.tag = args.tag or ("organism_staleness_quick" if args.quick else "organism_staleness")
     args.rest = rest
+    for path in args.merge:
+        if not os.path.exists(path):
+            p.error(f"--merge: {path} does not exist")
+        with open(path) as f:
+            earlier = json.load(f)["args"]
+        for key in ("steps", "seeds"):
+            if earlier[key] != getattr(args, key):
+                p.error(f"--merge: {path} ran --{key} {earlier[key]}, this report --{key} {getattr(args, key)}")
+        if os.path.basename(earlier["thresholds"]) != os.path.basename(args.thresholds):
+            p.error(f"--merge: {path} used thresholds {earlier['thresholds']}, this report {args.thresholds}")
     for s, argv_s in studies(args):  # organism.py's parser validates each study before anything runs
         organism.parse_args(argv_s)
     return args
@@ -140,7 +153,13 @@ def collect(args) -> dict:
                                    for p in PARTS for m, _, _ in COLUMNS},
                        "overlap_frac": organism_sweep.window_means(hist, "time/overlap_frac", len(hist))[0]}
                 out.setdefault(str(s), {}).setdefault(label, {})[seed] = rec
-    return out
+    for path in args.merge:  # records of earlier reports, already reduced (their run folders may be gone)
+        with open(path) as f:
+            for s, arms in json.load(f)["studies"].items():
+                for arm, per_seed in arms.items():
+                    out.setdefault(s, {}).setdefault(arm, per_seed)
+    order = list(stability.ARMS) + [PRECISION_GATE]
+    return {s: {a: out[s][a] for a in sorted(out[s], key=order.index)} for s in sorted(out, key=int)}
 
 
 def direction_first(alarms: dict) -> str:
