@@ -17,7 +17,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python -c "import jax; print('jax', jax.__version__, jax.devices())"
-step "gpu tests" 150 python -m pytest -m gpu -q -x
+step "gpu tests" 150 python -m pytest -m gpu -q -x -n 0
 step "align (every available backend: xla, pallas compiled, cudnn, te)" 150 python -m triage_jax.tools.align
 step "sampler bench" 180 python experiments/bench_sampler.py
 exit "${status}"

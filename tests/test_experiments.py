@@ -281,6 +281,7 @@ def test_drift_table_compares_first_and_last_window():
     assert row[-1] == "- -> -"  # never defined: no number invented
 
 
+@pytest.mark.slow  # 242 s on 2 busy cores (pytest -n 2)
 def test_stability_quick_writes_every_output(tmp_path):
     """--quick with tiny settings: runs every arm (the branch from the nvfp4 checkpoint), table, figure, logs."""
     warm = tmp_path / "warm"
@@ -370,6 +371,7 @@ def test_organism_sweep_args():
             organism_sweep.parse_args(bad)
 
 
+@pytest.mark.slow  # 97 s on 2 busy cores (pytest -n 2)
 def test_organism_sweep_quick_writes_the_table(tmp_path):
     """Two cells of the NVFP4 arm on the tiny config: one record per (cell, arm, seed) with the rule's verdict,
     the table rows in order, and each cell's format reaching its runs."""
@@ -473,6 +475,7 @@ def test_organism_lead_time_and_alarm_summary():
             n["not_collapsed"]) == (1, 2, 1, [18], 1, 1)
 
 
+@pytest.mark.slow  # 170 s on 2 busy cores (pytest -n 2)
 def test_organism_quick_two_workers_writes_the_results(tmp_path):
     """Pilot -> thresholds file -> two pinned workers -> organism.json / .md / figure, the thresholds reaching the
     TRIAGE run and --replot redrawing the same table."""
@@ -515,6 +518,7 @@ def test_organism_quick_two_workers_writes_the_results(tmp_path):
         assert per["0"]["eval"] == res["arms"][arm]["0"]["eval"]
 
 
+@pytest.mark.slow  # 96 s on 2 busy cores (pytest -n 2)
 def test_organism_staleness_quick_reports_each_delta_part(tmp_path):
     """s = 0 and 1 of the stale-policy study on the tiny config: one record per (s, arm, seed), the precision-gated
     TRIAGE only where staleness exists, per-part alarms only where the parts are logged."""

@@ -176,7 +176,10 @@ def test_learner_objective_equals_hand_assembled_loss(micro):
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(terms["repair_loss"]), float(want_rep), rtol=1e-5)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-7)
+        # Float32 sums in another order: an element near zero can differ by ~1e-4 of its leaf's largest one (the
+        # size of that order's rounding depends on the CPU's kernels); a dropped weight or term moves far more.
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=1e-4 * float(np.abs(w).max()))
 
 
 def test_repair_warmup_counts_optimizer_updates():

@@ -76,6 +76,7 @@ def test_exact_flag_gives_zero_delta_from_a_config_file(capsys):
     assert r["exact"] and r["max_abs_delta"] == 0.0 and r["mean_abs_delta"] == 0.0 and r["response_tokens"] > 0
 
 
+@pytest.mark.slow  # 71 s on 2 busy cores (pytest -n 2)
 def test_exact_flag_with_long_synthetic_prompts(capsys):
     # ~350-token prompts: without `invariant.rounded` an FMA fused in one program but not the other moved last bits.
     r = _run(capsys, "--config=configs/tiny.py", "--learner=w4a4", "--sampler=w4a4", "--exact", "--num_prompts=4")

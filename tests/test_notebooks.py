@@ -70,6 +70,7 @@ def _tiny_run(tmp_path):
     return c.run_dir
 
 
+@pytest.mark.slow  # 55 s on 2 busy cores (pytest -n 2)
 def test_diagnostics_notebook_runs_on_a_run(tmp_path):
     run_dir = _tiny_run(tmp_path)
     nb = execute("run_diagnostics.ipynb", {"TRIAGE_RUN_DIR": run_dir})

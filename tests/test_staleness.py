@@ -147,6 +147,7 @@ def _np(tree):
     return jax.tree.map(np.asarray, tree)
 
 
+@pytest.mark.slow  # 109 s on 2 busy cores (pytest -n 2)
 def test_staleness_1_trains_on_the_rollouts_of_the_previous_weights(tmp_path):
     """Exact mode (W4A4 both sides), rl.staleness=1, 3 steps. Each step's behaviour weights are the weights of
     step k-1 (step 0: the initial ones), the rollout it trains on is what those weights sample from its key and

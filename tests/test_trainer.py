@@ -323,6 +323,7 @@ def test_cli_errors_are_one_line(tmp_path, case):
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
+@pytest.mark.slow  # 51 s on 2 busy cores (pytest -n 2)
 def test_exact_mode_run_has_zero_mismatch(tmp_path):
     """learner.exact with W4A4 on both sides: every rollout has delta = 0 on every token (the learner's recompute
     before the step's updates equals the sampler's log-probs, also after a weight sync), and the run still learns."""
