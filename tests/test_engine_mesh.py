@@ -15,28 +15,51 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     from flax import nnx
-    from triage_jax import models, sharding as shd
+    from triage_jax import models, sampler, sharding as shd
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
 
-    data, slots = int(sys.argv[1]), int(sys.argv[2])
-    model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2), rngs=nnx.Rngs(0))
+    mesh_shape, slots, precision = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2, num_key_value_heads=int(sys.argv[4])),
+                         rngs=nnx.Rngs(0))
+    policy = None if precision == "none" else sampler.sampler_policy(precision)
+    if policy is not None:
+        model = sampler.prepare_model(model, policy)  # the trainer's sync: weights quantized once
     cfg = SamplingConfig(max_new_tokens=24, stop_ids=(7, 11, 19))
-    mesh = shd.make_mesh({"data": data})
-    engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=128, steps_per_round=4), model=model, mesh=mesh)
+    mesh = shd.make_mesh(mesh_shape)
+    try:
+        engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=128, steps_per_round=4), model=model, mesh=mesh,
+                        policy=policy)
+    except ValueError as e:
+        print("ERROR", e)
+        sys.exit(0)
     prompts = [[5, 17, 99, 3], [40, 41, 42, 43, 44, 45], [77], [8, 9], [60, 61, 62], [1, 2, 3, 4, 5, 6, 7, 8]]
     out = engine.generate(prompts, jax.random.key(3), n=4)
     shards = {str(d) for d in engine.last_slot_devices}
-    print("RESULT", json.dumps({"tokens": np.asarray(out.tokens).tolist(), "logp": np.asarray(out.logprobs).tolist(),
-                                "devices": len(jax.devices()), "slot_devices": len(shards)}))
+
+    def shard_shape(x):
+        x = getattr(getattr(x, "q", x), "packed", x)  # a QuantizedWeight's 4-bit codes [N, K / 2]
+        return [list(x.shape), list(x.addressable_shards[0].data.shape)]
+
+    attn = engine.state["layers"][0]["attn"]
+    kv = engine.last_kv_sharding
+    print("RESULT", json.dumps({
+        "tokens": np.asarray(out.tokens).tolist(), "logp": np.asarray(out.logprobs).tolist(),
+        "devices": len(jax.devices()), "slot_devices": len(shards),
+        "q_proj": shard_shape(attn["q_proj"]["kernel"].get_value()),
+        "o_proj": shard_shape(attn["o_proj"]["kernel"].get_value()),
+        "embed": shard_shape(engine.state["embed"]["embedding"].get_value()),
+        "kv_shard": list(kv.shard_shape((slots, int(sys.argv[4]), 64, 64)))}))
 """)
 
 
-def _run(data: int, slots: int, devices: int) -> dict:
+def _run(mesh: dict, slots: int, devices: int, precision: str = "none", kv_heads: int = 2) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(data), str(slots)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(mesh), str(slots), precision, str(kv_heads)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(l for l in out.stdout.splitlines() if l.startswith(("RESULT ", "ERROR ")))
+    if line.startswith("ERROR "):
+        return {"error": line[len("ERROR "):]}
     return json.loads(line[len("RESULT "):])
 
 
@@ -45,12 +68,38 @@ def test_one_device_equals_8_data_parallel_devices():
     lands in another slot on another device. Its log-probs agree to float32 rounding: the partitioned program
     fuses elementwise ops differently (every stage of a layer matches bit for bit on its own), so the last bit of
     a log-prob can differ; on one device count they are bit-identical whatever the schedule (test_engine.py)."""
-    one = _run(1, 4, 1)
-    eight = _run(8, 32, 8)
+    one = _run({"data": 1}, 4, 1)
+    eight = _run({"data": 8}, 32, 8)
     assert eight["devices"] == 8 and eight["slot_devices"] == 8  # the slots really are split
     np.testing.assert_array_equal(np.asarray(one["tokens"]), np.asarray(eight["tokens"]))
     np.testing.assert_allclose(np.asarray(one["logp"], np.float32), np.asarray(eight["logp"], np.float32),
                                rtol=0, atol=4e-6)
+
+
+def test_tensor_parallel_decode_equals_one_device():
+    """W4A4 weights (quantized once, as the trainer syncs them) on a data=4 x tensor=2 mesh: the engine reshards
+    them tensor-parallel (query/KV/gate/up codes split by output rows, o_proj/down_proj by input blocks, the
+    embedding by vocabulary; nothing split over data), the KV cache by slots and KV heads, and every request
+    gets the 1-device run's tokens, its log-probs within float32 rounding (the row-parallel sums add partial
+    sums across devices)."""
+    one = _run({"data": 1}, 4, 1, "w4a4")
+    tp = _run({"data": 4, "tensor": 2}, 16, 8, "w4a4")
+    assert tp["slot_devices"] == 8
+    (n, k2), shard = tp["q_proj"]
+    assert shard == [n // 2, k2]  # column-parallel: half the output rows, every input column
+    (n, k2), shard = tp["o_proj"]
+    assert shard == [n, k2 // 2]  # row-parallel: every output row, half the (packed) input
+    (v, d), shard = tp["embed"]
+    assert shard == [v // 2, d]
+    assert tp["kv_shard"] == [16 // 4, 1, 64, 64]  # 4 slots and 1 of the 2 KV heads per device
+    np.testing.assert_array_equal(np.asarray(one["tokens"]), np.asarray(tp["tokens"]))
+    np.testing.assert_allclose(np.asarray(one["logp"], np.float32), np.asarray(tp["logp"], np.float32),
+                               rtol=0, atol=4e-6)
+
+
+def test_tensor_split_that_does_not_divide_the_kv_heads_names_the_config_key():
+    out = _run({"data": 1, "tensor": 2}, 4, 2, "w4a4", kv_heads=1)
+    assert "config.mesh.tensor" in out["error"] and "1 KV heads" in out["error"]
 
 
 TRAINER_SCRIPT = textwrap.dedent("""

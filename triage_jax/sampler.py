@@ -43,10 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 
 from triage_jax.logprobs import lm_head_logits, logprob_of
 from triage_jax.models import kv_cache as kvc
 from triage_jax.models.moe import routing_dtype
+from triage_jax.models.sharding import BATCH, HEADS, KV, LENGTH
 from triage_jax.quant import PRESETS, PrecisionPolicy
 
 MIN_BUCKET = kvc.BLOCK  # the smallest cache capacity bucket
@@ -372,7 +374,8 @@ class Engine:
         from triage_jax import sharding as shd
 
         self.cfg, self.config = cfg, config
-        self.mesh, self.rules = mesh, rules if rules is not None else shd.DEFAULT_RULES
+        # The learner's table with the weights replicated over the data-parallel axes (split over tensor, expert).
+        self.mesh, self.rules = mesh, shd.sampler_rules(rules if rules is not None else shd.DEFAULT_RULES)
         self.shards = 1
         if mesh is not None:
             self.shards = int(np.prod([mesh.shape.get(a, 1) for a in shd.batch_axes(self.rules)]))
@@ -396,13 +399,15 @@ class Engine:
             self.load(model)
 
     def load(self, model) -> None:
-        """Use these weights from now on (the learner -> sampler sync hands the prepared model over). Weights held
-        on devices outside the engine's mesh (the learner's, when the sampler has a mesh of its own) are copied
-        onto it, replicated."""
+        """Use these weights from now on (the learner -> sampler sync hands the prepared model over). On a mesh
+        they are resharded device to device by the sampler's rules: replicated over the data-parallel axes,
+        attention heads, MLP columns and the vocabulary split over tensor (tensor parallelism), experts over
+        expert; weights held on other devices (the learner's, when the sampler has a mesh of its own) are copied."""
         self.graphdef, self.state = split_model(model)
-        if self.mesh is not None:
-            self.state = self._on_mesh(self.state)
         self.model_cfg = nnx.merge(self.graphdef, self.state).cfg
+        if self.mesh is not None:
+            self._check_tensor_split()
+            self.state = self._on_mesh(self.state)
         if self.record_routing and not self.model_cfg.is_moe:
             raise ValueError("Engine(record_routing=True) needs an MoE model; this one is dense (num_experts=0)")
         if self.config.max_len > self.model_cfg.max_position_embeddings:
@@ -432,23 +437,40 @@ class Engine:
         return shd.activate(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
     def _place(self, slots: Slots) -> Slots:
-        """Slot arrays split over the batch shards (the per-layer FP8 scales replicated)."""
-        if self.mesh is None:
-            return slots
+        return slots if self.mesh is None else jax.device_put(slots, self.slot_shardings(slots))
+
+    def slot_shardings(self, slots: Slots) -> Slots:
+        """Where the slot arrays live on the mesh: split over the batch shards, the KV buffers [slots, KV heads,
+        capacity, head dim] also by heads like the k / v projections that fill them; the per-layer FP8 scales
+        replicated. (Concrete or abstract slots; the dry-run compiles with these.)"""
         from triage_jax import sharding as shd
 
         s = slots.tok.shape[0]
-        return jax.tree.map(lambda x: jax.device_put(x, shd.batch_sharding(self.mesh, x.ndim, self.rules)
-                                                     if x.ndim and x.shape[0] == s
-                                                     else shd.replicated(self.mesh)), slots)
+        out = jax.tree.map(lambda x: shd.batch_sharding(self.mesh, x.ndim, self.rules) if x.ndim and x.shape[0] == s
+                           else shd.replicated(self.mesh), slots)
+        kv = NamedSharding(self.mesh, shd.logical_to_mesh((BATCH, HEADS, LENGTH, KV), self.rules, self.mesh))
+        return out.replace(cache=out.cache.replace(k=tuple(kv for _ in out.cache.k), v=tuple(kv for _ in out.cache.v)))
 
-    def _on_mesh(self, state):
+    def state_shardings(self, state):
+        """Where the (prepared) weights live on the mesh: `sharding.sampler_state_shardings` by the engine's rules."""
         from triage_jax import sharding as shd
 
-        mine = set(self.mesh.devices.flat)
-        if all(not isinstance(x, jax.Array) or set(x.devices()) <= mine for x in jax.tree.leaves(state)):
-            return state
-        return jax.device_put(state, shd.replicated(self.mesh))
+        return shd.sampler_state_shardings(state, self.mesh, self.rules)
+
+    def _on_mesh(self, state):
+        return jax.device_put(state, self.state_shardings(state))
+
+    def _heads_split(self) -> int:
+        """How many ways the attention heads (and the KV cache's heads) are split over the mesh."""
+        from triage_jax import sharding as shd
+
+        return shd.split_count(self.mesh, shd.logical_to_mesh((HEADS,), self.rules, self.mesh)[0])
+
+    def _check_tensor_split(self) -> None:
+        t, m = self._heads_split(), self.model_cfg
+        if t > 1 and (m.num_key_value_heads % t or m.num_attention_heads % t):
+            raise ValueError(f"config.mesh.tensor: the sampler splits attention heads {t} ways, but the model has "
+                             f"{m.num_attention_heads} query and {m.num_key_value_heads} KV heads")
 
     def _compacted(self, slots: Slots, owner: dict, host_len: np.ndarray):
         """The tail compaction (EngineConfig.compact_tail): (slots, owner, host_len) moved into the smallest slot
@@ -570,6 +592,7 @@ class Engine:
                 slots, owner, host_len = self._compacted(slots, owner, host_len)
                 free = [j for j in range(slots.tok.shape[0]) if j not in owner]
         self.last_slot_devices = slots.cache.k[0].devices()
+        self.last_kv_sharding = slots.cache.k[0].sharding  # after the last round: split by slots (and heads)
         mask = np.arange(r)[None, :] < out_len[:, None]
         p = int(lens.max())
         ids = np.full((num, p), self.pad_id, np.int32)

@@ -15,6 +15,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from triage_jax.models.sharding import QUANTIZED_NAMES
+
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # logical name -> mesh axes (None: replicated). The batch is split over every data-parallel axis.
@@ -72,6 +74,58 @@ def state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
         return NamedSharding(mesh, logical_to_mesh(names, rules, mesh))
 
     return jax.tree.map(to_sharding, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# The mesh axes the sampler's weights are replicated over: a decode step reads every weight once per token, so
+# FSDP's per-step all-gathers would cost more than the memory they save; tensor and expert still split them.
+SAMPLER_REPLICATED = ("data", "fsdp")
+
+
+def sampler_rules(rules=DEFAULT_RULES) -> tuple[tuple[str, Any], ...]:
+    """The sampler's table: the learner's with SAMPLER_REPLICATED dropped from every name but the batch (the
+    slots still split over every data-parallel axis; weights split over tensor and expert only)."""
+    out = []
+    for name, target in rules:
+        if name != "batch":
+            axes = (target,) if isinstance(target, str) else tuple(target or ())
+            target = tuple(a for a in axes if a not in SAMPLER_REPLICATED) or None
+        out.append((name, target))
+    return tuple(out)
+
+
+def quantized_spec(shape: tuple[int, ...], names: Sequence[str | None], k: int, rules, mesh: Mesh) -> P:
+    """PartitionSpec of one array of a QuantizedWeight of contraction length k stored as [..., N, K'] (codes:
+    K' = K/2, block scales K/16 or K/32, FP8 data K): leading and N dimensions by their names, K' too when every
+    shard holds whole 32-value blocks; the scalar and per-matrix scales (amax) replicated."""
+    if len(shape) != len(names):
+        return P()
+    spec = list(logical_to_mesh(names, rules, mesh))
+    for i, a in enumerate(spec):
+        n = split_count(mesh, a)
+        if shape[i] % n or (i == len(shape) - 1 and k % (32 * n)):
+            spec[i] = None
+    return P(*spec)
+
+
+def split_count(mesh: Mesh, entry) -> int:
+    """Into how many parts one PartitionSpec entry (None, an axis, or a tuple of axes) splits its dimension."""
+    return int(np.prod([mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ())]))
+
+
+def sampler_state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    """Shardings of the sampler's (prepared) state on `mesh` by `sampler_rules(rules)`: parameters by their
+    logical names, a quantized kernel's arrays by `quantized_spec`."""
+    rules = sampler_rules(rules)
+    base = state_shardings(state, mesh, rules)
+
+    def one(var, sharding):
+        names = var.get_metadata().get(QUANTIZED_NAMES) if isinstance(var, nnx.Variable) else None
+        if names is None:
+            return sharding
+        k = var.get_value().shape[-2]  # QuantizedWeight.shape is [..., K, N]
+        return jax.tree.map(lambda x: NamedSharding(mesh, quantized_spec(x.shape, names, k, rules, mesh)), var)
+
+    return jax.tree.map(one, state, base, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:

@@ -21,7 +21,7 @@ from triage_jax.models.layers import (
 )
 from triage_jax.models.mlp import MLP
 from triage_jax.models.moe import GroupedLinear, MoE, load_balancing_loss
-from triage_jax.models.sharding import BATCH, EMBED, LAYERS, LENGTH, VOCAB, constrain
+from triage_jax.models.sharding import BATCH, EMBED, LAYERS, LENGTH, QUANTIZED_NAMES, VOCAB, constrain
 from triage_jax.quant import PrecisionPolicy, QuantizedWeight, prequantize, qdot
 
 F32 = jnp.float32
@@ -285,12 +285,27 @@ def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
             continue
         w = node.kernel_2d() if isinstance(node, Linear) else node.kernel.get_value().astype(node.dtype)
         per_layer = stacked and bool(path) and path[0] == "layers"
-        node.kernel = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, per_layer))
+        n_in = len(node.in_dims) if isinstance(node, Linear) else 1
+        n_out = len(node.out_dims) if isinstance(node, Linear) else 1
+        names = _quantized_names(node.kernel.get_metadata().get("out_sharding"), n_in, n_out)
+        node.kernel = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, per_layer),
+                                      **{QUANTIZED_NAMES: names})
     prec = policy.for_layer("lm_head")
     if new.lm_head is None and prec.weight != "none":
         w = new.embed.embedding[...].T.astype(new.cfg.dtype)
-        new.tied_head_q = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, False))
+        names = _quantized_names(new.embed.embedding.get_metadata().get("out_sharding")[::-1], 1, 1)
+        new.tied_head_q = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, False), **{QUANTIZED_NAMES: names})
     return new
+
+
+def _quantized_names(names, n_in: int, n_out: int):
+    """The logical names of a quantized kernel's stored [..., N, K] layout from its parameter's [..., *in, *out]
+    names: N is named by its first output axis and K by its first input axis (the major factor of each flattened
+    group, so splitting N or K evenly splits that axis); None when the parameter has no names."""
+    if names is None:
+        return None
+    lead = tuple(names[: len(names) - n_in - n_out])
+    return lead + (names[len(lead) + n_in], names[len(lead)])
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

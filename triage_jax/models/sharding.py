@@ -16,6 +16,9 @@ HEADS = "heads"  # attention heads (query heads, and kv heads in k/v projections
 KV = "kv"  # the per-head dimension (head_dim), as in MaxText's ("embed", "heads", "kv") kernels
 MLP, EXPERT, VOCAB = "mlp", "expert", "vocab"
 LAYERS = "layers"  # the stacked-layer axis of scan_layers=True
+# A quantized-once kernel (`layers.QuantizedKernel`) carries its logical names under this metadata key, one per
+# dimension of its stored [..., N, K] layout (a QuantizedWeight holds the kernel transposed).
+QUANTIZED_NAMES = "quantized_names"
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:

@@ -175,8 +175,9 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
     cache of cache_len slots: one decode round (sampler.steps_per_round tokens) and the insertion of prefilled
     prompts into slots; returns the larger footprint of the two.
 
-    The weights are the sampler's prequantized copy (`sampler.prepare_model`), sharded by their logical axes where
-    they carry them and replicated otherwise (the packed NVFP4 kernels).
+    The weights are the sampler's prequantized copy (`sampler.prepare_model`) and weights and slots are placed as
+    the engine places them (`Engine.state_shardings`, `Engine.slot_shardings`: tensor-parallel weights, slots
+    over the batch axes).
     """
     import jax
     import jax.numpy as jnp
@@ -191,29 +192,18 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
     st = engine.st
     prepared = nnx.eval_shape(lambda: models.prequantize_model(models.Qwen3(model_cfg, rngs=nnx.Rngs(0)), policy))
     graphdef, state = nnx.split(prepared)
-    specs = nnx.get_partition_spec(state)
-
-    def place(spec, sub):
-        def one(x):
-            names = tuple(spec) if isinstance(spec, jax.sharding.PartitionSpec) else ()
-            sharding = (jax.sharding.NamedSharding(mesh, shd.logical_to_mesh(names, mesh=mesh))
-                        if names and len(names) == len(x.shape) else shd.replicated(mesh))
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-        return jax.tree.map(one, sub)
-
-    state = jax.tree.map(place, specs, state, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                         engine.state_shardings(state))
     dtype = jnp.dtype(model_cfg.dtype)
     cache_len = -(-cache_len // smp.MIN_BUCKET) * smp.MIN_BUCKET  # the engine's largest capacity bucket
     abstract_slots = jax.eval_shape(lambda: smp._empty_slots(model_cfg, slots, cache_len, st, policy.kv_cache, dtype))
-    abstract_slots = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
-        shd.batch_sharding(mesh, x.ndim) if x.ndim and x.shape[0] == slots else shd.replicated(mesh))),
-        abstract_slots)
+    abstract_slots = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_slots,
+                                  engine.slot_shardings(abstract_slots))
     f32, i32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     stop = jax.ShapeDtypeStruct((1,), jnp.int32)
     t0 = time.perf_counter()
-    with shd.activate(mesh):
+    with engine._context():
         decode = smp._decode_round.lower(graphdef, state, abstract_slots, key, f32, f32, stop, policy=policy, st=st,
                                          steps=c.sampler.steps_per_round).compile()
         pb, p = engine.prefill_batch, min(smp.bucket_length(c.sampler.max_prompt_len), cache_len)
