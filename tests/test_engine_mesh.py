@@ -110,34 +110,40 @@ TRAINER_SCRIPT = textwrap.dedent("""
 
     c = base_config()
     c.run_dir, c.warmup.enabled, c.train.progress = sys.argv[1], False, False
-    c.mesh.data = int(sys.argv[2])
+    c.mesh.data, c.mesh.tensor = int(sys.argv[2]), int(sys.argv[3])
     c.rl.num_prompts, c.rl.group_size, c.rl.mini_batch, c.rl.micro_batch = 4, 4, 16, 8
     c.rl.dynamic_sampling, c.rl.overlong_buffer = False, 8
     c.sampler.max_new_tokens, c.train.energy_every = 16, 0
     tr = Trainer(c)
     ro, stats, _ = tr.rollout(jax.random.fold_in(jax.random.key(c.seed), 0))
     m = tr.train_step().metrics
+    w = tr.engine.state["layers"][0]["attn"]["q_proj"]["kernel"].get_value()  # the synced W4A4 codes
     print("RESULT", json.dumps({"ids": ro.input_ids.tolist(), "rewards": ro.rewards.tolist(),
                                 "lengths": ro.lengths.tolist(), "loss": m["learner/loss"],
-                                "delta": m["mismatch/mean_abs_delta"], "reward": m["reward/mean"]}))
+                                "delta": m["mismatch/mean_abs_delta"], "reward": m["reward/mean"],
+                                "q_shard": list(w.q.packed.addressable_shards[0].data.shape),
+                                "q_shape": list(w.q.packed.shape)}))
 """)
 
 
-@pytest.mark.slow  # two trainer start-ups in subprocesses: ~2 min on 2 cores
+@pytest.mark.slow  # three trainer start-ups in subprocesses: ~3 min on 2 cores
 def test_trainer_on_8_devices_rolls_out_what_1_device_does(tmp_path):
-    """The trainer on --config.mesh.data=8 (8 simulated devices): its first rollout is the 1-device run's exactly
-    (tokens, rewards, lengths), and the step's learner metrics agree to float reduction order."""
-    def run(data, devices):
+    """The trainer on --config.mesh.data=8 (8 simulated devices) and on data=2 x tensor=2 (4 devices, the synced
+    W4A4 weights split over tensor): its first rollout is the 1-device run's exactly (tokens, rewards, lengths),
+    and the step's learner metrics agree to float reduction order."""
+    def run(data, tensor, devices):
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-        out = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT, str(tmp_path / f"run{data}"), str(data)],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT, str(tmp_path / f"run{data}x{tensor}"), str(data),
+                              str(tensor)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
         return json.loads(line[len("RESULT "):])
 
-    one, eight = run(1, 1), run(8, 8)
-    for k in ("ids", "rewards", "lengths"):
-        np.testing.assert_array_equal(np.asarray(one[k]), np.asarray(eight[k]), err_msg=k)
-    assert one["reward"] == eight["reward"]
-    for k in ("loss", "delta"):
-        np.testing.assert_allclose(one[k], eight[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    one, tp = run(1, 1, 1), run(2, 2, 4)
+    for other in (run(8, 1, 8), tp):
+        for k in ("ids", "rewards", "lengths"):
+            np.testing.assert_array_equal(np.asarray(one[k]), np.asarray(other[k]), err_msg=k)
+        assert one["reward"] == other["reward"]
+        for k in ("loss", "delta"):
+            np.testing.assert_allclose(one[k], other[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert tp["q_shard"] == [tp["q_shape"][0] // 2, tp["q_shape"][1]]  # the sampler's q_proj split over tensor
