@@ -549,3 +549,31 @@ def test_organism_staleness_quick_reports_each_delta_part(tmp_path):
     assert r1["windows"]["mismatch_precision/mean_abs_delta"][1] > 0
     md = (tmp_path / "res" / "organism_staleness_quick.md").read_text()
     assert md.count("| nvfp4_triage") == 3
+
+
+def test_organism_staleness_merge_joins_earlier_reports_of_the_same_plan(tmp_path):
+    """--merge: an earlier combined report's runs join the table where this study has none of that (s, arm), in
+    the study's arm order; a report of other steps or seeds is refused by name before anything runs."""
+    window = {f"{p}/{m}": [0.5, 0.75] for p in organism_staleness.PARTS for m, _, _ in organism_staleness.COLUMNS}
+    rec = {"collapsed": False, "first_alarm_step": 3, "eval": {"avg@4": 0.5}, "run_dir": "gone",
+           "alarms": {"mismatch": {"rho_asym": 2, "delta_q05": 5}}, "windows": window, "overlap_frac": None}
+
+    def report_file(name, steps, studies):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"args": {"steps": steps, "seeds": "0", "thresholds": "x/organism_thresholds.json"},
+                                    "studies": studies}))
+        return str(path)
+
+    a = report_file("a", 20, {"1": {"nvfp4_triage": {"0": rec}}, "0": {"nvfp4": {"0": rec}}})
+    b = report_file("b", 20, {"1": {"nvfp4": {"0": rec}, "nvfp4_triage": {"0": {**rec, "first_alarm_step": 9}}}})
+    argv = ["--report_only", "--steps", "20", "--seeds", "0", "--results", str(tmp_path), "--tag", "t", "--merge"]
+    args = organism_staleness.parse_args(argv + [a, b])
+    data = organism_staleness.collect(args)
+    assert list(data) == ["0", "1"] and list(data["1"]) == ["nvfp4", "nvfp4_triage"]
+    assert data["1"]["nvfp4_triage"]["0"]["first_alarm_step"] == 3  # the first report to name a run wins
+    table = organism_staleness.report(data, args)
+    assert "| 1 | nvfp4_triage | 1 | 0.5000 -> 0.7500 |" in table and "rho" in table
+    with pytest.raises(SystemExit):
+        organism_staleness.parse_args(argv + [report_file("c", 40, {})])
+    with pytest.raises(SystemExit):
+        organism_staleness.parse_args(argv + [str(tmp_path / "missing.json")])
