@@ -186,8 +186,11 @@ def report(data: dict, args) -> str:
                     key = f"{part}/{m}"
                     with warnings.catch_warnings():  # a part never logged (s = 0) prints as '-'
                         warnings.simplefilter("ignore", RuntimeWarning)
-                        first = np.nanmean([r["windows"][key][0] for r in runs])
-                        last = np.nanmean([r["windows"][key][1] for r in runs])
+                        # A merged report stores a part never logged (s = 0) as null.
+                        first = np.nanmean([np.nan if r["windows"][key][0] is None else r["windows"][key][0]
+                                            for r in runs])
+                        last = np.nanmean([np.nan if r["windows"][key][1] is None else r["windows"][key][1]
+                                           for r in runs])
                     row.append(f"{common.fmt(float(first), digits)} -> {common.fmt(float(last), digits)}")
             for part in PARTS:
                 row.append(" ".join(direction_first(r["alarms"][part]) if part in r["alarms"] else "."

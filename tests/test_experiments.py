@@ -554,7 +554,8 @@ def test_organism_staleness_quick_reports_each_delta_part(tmp_path):
 def test_organism_staleness_merge_joins_earlier_reports_of_the_same_plan(tmp_path):
     """--merge: an earlier combined report's runs join the table where this study has none of that (s, arm), in
     the study's arm order; a report of other steps or seeds is refused by name before anything runs."""
-    window = {f"{p}/{m}": [0.5, 0.75] for p in organism_staleness.PARTS for m, _, _ in organism_staleness.COLUMNS}
+    window = {f"{p}/{m}": [0.5, 0.75] if p == "mismatch" else [None, None]  # JSON's null: a part never logged
+              for p in organism_staleness.PARTS for m, _, _ in organism_staleness.COLUMNS}
     rec = {"collapsed": False, "first_alarm_step": 3, "eval": {"avg@4": 0.5}, "run_dir": "gone",
            "alarms": {"mismatch": {"rho_asym": 2, "delta_q05": 5}}, "windows": window, "overlap_frac": None}
 
