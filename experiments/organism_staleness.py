@@ -157,6 +157,8 @@ def collect(args) -> dict:
         with open(path) as f:
             for s, arms in json.load(f)["studies"].items():
                 for arm, per_seed in arms.items():
+                    for r in per_seed.values():  # JSON stores a part never logged (s = 0) as null
+                        r["windows"] = {k: [np.nan if v is None else v for v in w] for k, w in r["windows"].items()}
                     out.setdefault(s, {}).setdefault(arm, per_seed)
     order = list(stability.ARMS) + [PRECISION_GATE]
     return {s: {a: out[s][a] for a in sorted(out[s], key=order.index)} for s in sorted(out, key=int)}
@@ -186,11 +188,8 @@ def report(data: dict, args) -> str:
                     key = f"{part}/{m}"
                     with warnings.catch_warnings():  # a part never logged (s = 0) prints as '-'
                         warnings.simplefilter("ignore", RuntimeWarning)
-                        # A merged report stores a part never logged (s = 0) as null.
-                        first = np.nanmean([np.nan if r["windows"][key][0] is None else r["windows"][key][0]
-                                            for r in runs])
-                        last = np.nanmean([np.nan if r["windows"][key][1] is None else r["windows"][key][1]
-                                           for r in runs])
+                        first = np.nanmean([r["windows"][key][0] for r in runs])
+                        last = np.nanmean([r["windows"][key][1] for r in runs])
                     row.append(f"{common.fmt(float(first), digits)} -> {common.fmt(float(last), digits)}")
             for part in PARTS:
                 row.append(" ".join(direction_first(r["alarms"][part]) if part in r["alarms"] else "."
