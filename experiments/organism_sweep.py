@@ -4,8 +4,8 @@
         [--steps 80] [--quick] [--results experiments/results] [--tag organism_sweep]
 
 Each cell is one setting of the levers the paper's collapse could depend on (CELLS: learning rate, updates per
-rollout batch, temperature, the 4-bit format); each (cell, arm, seed) is one GRPO run from the config's cached
-warm-up, trained by `experiments/stability.py`'s `run_one` (the study's own code path). The collapse rule is fixed
+rollout batch, temperature, response budget, the 4-bit format, the LM head's and the activations' quantization);
+each (cell, arm, seed) is one GRPO run from the config's cached warm-up, trained by `experiments/stability.py`'s `run_one` (the study's own code path). The collapse rule is fixed
 before any run and computed by code: `triage_jax.rl.monitor.collapsed` (rollout accuracy below half its running
 peak for 20 consecutive steps, or delta_q05 below -10). A cell shows the phenomenon when its NVFP4 arm collapses in
 more seeds than its BF16 arm; the table also shows how each precursor moved (first -> last window, pooled over
@@ -58,9 +58,16 @@ CELLS: dict[str, Cell] = {
     "temp1.2": Cell("sampling temperature 1.2", {"sampler.temperature": 1.2}),
     "mxfp4": Cell("MXFP4 (E8M0 scale per 32) instead of NVFP4: a larger mismatch dial", fp4="w4a4_mx"),
     "mxfp4_lr5e-5": Cell("MXFP4 at lr 5e-5", {"optim.lr": 5e-5}, fp4="w4a4_mx"),
+    "temp1.2_lr5e-5": Cell("sampling temperature 1.2 at lr 5e-5", {"sampler.temperature": 1.2, "optim.lr": 5e-5}),
+    "len256_lr5e-5": Cell("a 256-token response budget (reference chains are 64-138 tokens: wrong answers may run on) "
+                          "at lr 5e-5", {"sampler.max_new_tokens": 256, "optim.lr": 5e-5}),
+    "act_tensor_lr5e-5": Cell("the sampler's NVFP4 activations scaled per tensor (one float32 scale per matmul input, "
+                              "shared by the batch) instead of per token, at lr 5e-5", {"optim.lr": 5e-5},
+                              quantized={"sampler.act_scaling": "tensor"}),
     "lm_head_fp4": Cell("the sampler's LM head in W4A4 too (the learner's stays BF16)",
                         quantized={"sampler.rules": ("lm_head$=w4a4",)}),
-    "lm_head_fp4_lr5e-5": Cell("the sampler's LM head in W4A4 too, lr 5e-5", {"optim.lr": 5e-5},
+    "lm_head_fp4_lr5e-5": Cell("the sampler's LM head in W4A4 too, lr 5e-5 (the head is tied: the embedding "
+                               "matrix is quantized as the head's weight; the lookup stays BF16)", {"optim.lr": 5e-5},
                                quantized={"sampler.rules": ("lm_head$=w4a4",)}),
 }
 

@@ -45,6 +45,7 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("rl.triage.g_hi", 0.01, "rl.triage.g_hi"),
         ("sampler.max_new_tokens", 0, "sampler.max_new_tokens"),
         ("sampler.compact_tail", 1, "sampler.compact_tail"),
+        ("sampler.act_scaling", "block", "sampler.act_scaling"),
         # The overlong buffer is checked against the one response length, sampler.max_new_tokens (24).
         ("rl.overlong_buffer", 24, "sampler.max_new_tokens=24"),
         ("rl.token_tis.C", -1.0, "rl.token_tis"),
@@ -227,3 +228,17 @@ def test_precision_rules_reach_both_policies():
     c.learner.rules = c.sampler.rules
     validate(c)
     assert build.learner_policy(c).for_layer("lm_head") == build.sampler_policy(c).for_layer("lm_head")
+
+
+def test_sampler_act_scaling_reaches_every_quantized_layer_of_the_sampler():
+    """config.sampler.act_scaling="tensor" (the granularity dial) applies to the preset and to the rules' layers."""
+    from triage_jax import build
+
+    c = base_config()
+    c.sampler.rules = ("lm_head$=w4a4",)
+    assert build.sampler_policy(c).for_layer("layers.0.mlp.up_proj").act_scaling == "row"
+    c.sampler.act_scaling = "tensor"
+    validate(c)
+    sp = build.sampler_policy(c)
+    for layer in ("layers.0.mlp.up_proj", "layers.3.self_attn.o_proj", "lm_head"):
+        assert sp.for_layer(layer).act == "nvfp4" and sp.for_layer(layer).act_scaling == "tensor", layer

@@ -126,6 +126,7 @@ def test_exact_attention_gradient_matches_default_attention():
 @pytest.mark.parametrize("key,value,needle", [
     ("sampler.precision", "bf16", "one precision"),
     ("sampler.kv_cache", "fp8", "kv_cache"),
+    ("sampler.act_scaling", "tensor", "act_scaling='row'"),
     ("learner.backend", "pallas", "xla backend"),
 ])
 def test_exact_config_needs_matching_sides(key, value, needle):

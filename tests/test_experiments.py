@@ -367,6 +367,13 @@ def test_organism_sweep_args():
     cfg = {arm: stability.arm_config(s, arm, 0) for arm in ("bf16", "nvfp4", "exact")}
     assert cfg["nvfp4"].sampler.rules == ("lm_head$=w4a4",) and cfg["nvfp4"].learner.rules == ()
     assert cfg["bf16"].sampler.rules == () and cfg["exact"].learner.rules == cfg["exact"].sampler.rules != ()
+    s = organism_sweep.study_args(organism_sweep.parse_args(["--cells", "act_tensor_lr5e-5"]), "act_tensor_lr5e-5")
+    cfg = {arm: stability.arm_config(s, arm, 0) for arm in ("bf16", "nvfp4")}
+    assert cfg["nvfp4"].sampler.act_scaling == "tensor" and cfg["bf16"].sampler.act_scaling == "row"
+    assert cfg["nvfp4"].optim.lr == cfg["bf16"].optim.lr == 5e-5
+    c = stability.arm_config(organism_sweep.study_args(organism_sweep.parse_args(["--cells", "len256_lr5e-5"]),
+                                                       "len256_lr5e-5"), "nvfp4", 0)
+    assert c.sampler.max_new_tokens == 256
     for bad in (["--cells", "nope"], ["--cells", ""], ["--arms", "bogus"], ["--set", "novalue"]):
         with pytest.raises(SystemExit):
             organism_sweep.parse_args(bad)

@@ -152,6 +152,22 @@ def test_w4a4_sampler_differs_from_bf16_learner(model_bf16):
     assert delta.mean() > 1e-3
 
 
+def test_per_tensor_activation_scales_couple_a_response_to_its_batch(model_bf16):
+    """act_scaling="tensor" (config.sampler.act_scaling, a mismatch dial) shares each matmul input's float32 scale
+    over the batch: a prompt's first log-prob then depends on the prompts batched with it; token-wise scales
+    ("row", the default) keep it the prompt's own."""
+    cfg = SamplingConfig(max_new_tokens=1, greedy=True)
+    first = {}
+    for scaling in ("row", "tensor"):
+        policy = sampler_policy("w4a4", act_scaling=scaling)
+        m = prepare_model(model_bf16, policy)
+        batched = generate(m, PROMPTS, cfg, policy=policy, key=jax.random.key(0), pad_id=PAD)
+        alone = generate(m, [PROMPTS[1]], cfg, policy=policy, key=jax.random.key(0), pad_id=PAD)
+        first[scaling] = float(batched.logprobs[1, 0]), float(alone.logprobs[0, 0])
+    assert first["row"][0] == first["row"][1]
+    assert first["tensor"][0] != first["tensor"][1]
+
+
 def test_fp8_kv_cache(model):
     cfg = SamplingConfig(max_new_tokens=10, greedy=True)
     policy = sampler_policy("bf16", kv_cache="fp8")

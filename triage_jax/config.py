@@ -19,7 +19,7 @@ from triage_jax.data.synthetic import ALL_LEVELS, STYLES
 from triage_jax.data.tokenizers import BPE_MIN_VOCAB
 from triage_jax.models.config import PRESETS as MODEL_PRESETS, REMAT_MODES
 from triage_jax.quant import PRESETS
-from triage_jax.quant.policy import parse_rule
+from triage_jax.quant.policy import ACT_SCALINGS, parse_rule
 from triage_jax.rl.corrections import CORRECTIONS
 from triage_jax.rl.delta import DELTA_SOURCES
 from triage_jax.rl.grpo import AGGREGATIONS
@@ -94,6 +94,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sampler = ml_collections.ConfigDict()
     c.sampler.precision = "w4a4"
     c.sampler.kv_cache = "bf16"
+    # NVFP4 activations' float32 scale: "row" (per token: a response's numbers never depend on its batch) or
+    # "tensor" (one per matmul input, shared by every slot: a mismatch dial, as the learner's per-tensor default)
+    c.sampler.act_scaling = "row"
     c.sampler.temperature = 1.0
     c.sampler.top_p = 1.0
     c.sampler.top_k = 0
@@ -213,6 +216,9 @@ def _check_exact(c: ml_collections.ConfigDict) -> None:
     if c.sampler.kv_cache != "bf16":
         _fail("learner.exact", f"exact mode needs sampler.kv_cache='bf16' (the compute dtype), got "
               f"{c.sampler.kv_cache!r}: an FP8 cache's scale comes from the prefill batch")
+    if c.sampler.act_scaling != "row":
+        _fail("learner.exact", f"exact mode needs sampler.act_scaling='row' (token-wise scales on both sides), got "
+              f"{c.sampler.act_scaling!r}")
     if c.learner.backend != "xla":
         _fail("learner.exact", f"exact mode runs on the xla backend (the sampler's); learner.backend="
               f"{c.learner.backend!r}")
@@ -227,6 +233,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     _one_of(c, "sampler.precision", PRESETS)
     _one_of(c, "learner.precision", PRESETS)
     _one_of(c, "sampler.kv_cache", ("bf16", "fp8"))
+    _one_of(c, "sampler.act_scaling", ACT_SCALINGS)
     _one_of(c, "rl.agg", AGGREGATIONS)
     _one_of(c, "rl.correction", CORRECTIONS)
     _one_of(c, "model.remat", REMAT_MODES)

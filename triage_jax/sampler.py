@@ -99,20 +99,22 @@ class SampleOutput:
     routing: jax.Array | None = None
 
 
-def token_wise_rules(rules) -> tuple:
-    """Per-layer (regex, preset) rules with the sampler's token-wise activation scales (as its default has)."""
+def token_wise_rules(rules, act_scaling: str = "row") -> tuple:
+    """Per-layer (regex, preset) rules with the sampler's activation scales (token-wise by default, as its preset)."""
     out = []
     for pattern, prec in rules:
         prec = PRESETS[prec] if isinstance(prec, str) else prec
-        out.append((pattern, dataclasses.replace(prec, act_scaling="row") if prec.act != "none" else prec))
+        out.append((pattern, dataclasses.replace(prec, act_scaling=act_scaling) if prec.act != "none" else prec))
     return tuple(out)
 
 
-def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", *, rules=(), **kw) -> PrecisionPolicy:
+def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", *, rules=(), act_scaling: str = "row",
+                   **kw) -> PrecisionPolicy:
     """The sampler's policy: `preset` weights/activations with token-wise activation scales (its per-layer `rules`
-    alike), and the KV format."""
-    return PrecisionPolicy.from_spec(preset, act_scaling="row", kv_cache=kv_cache, rules=token_wise_rules(rules),
-                                     **kw)
+    alike), and the KV format. act_scaling="tensor" (a mismatch dial, config.sampler.act_scaling) shares one
+    float32 activation scale over the whole batch, so a response's numbers depend on what it is batched with."""
+    return PrecisionPolicy.from_spec(preset, act_scaling=act_scaling, kv_cache=kv_cache,
+                                     rules=token_wise_rules(rules, act_scaling), **kw)
 
 
 def prepare_model(model, policy: PrecisionPolicy):

@@ -19,6 +19,9 @@ GRAD_MODES = ("bf16", "f32", "nvfp4")
 KV_FORMATS = ("bf16", "fp8")
 
 
+ACT_SCALINGS = ("tensor", "row")  # one float32 activation scale per tensor, or per token (row)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPrecision:
     """Formats of one matmul. "none" keeps the operand in the compute dtype.
@@ -42,7 +45,7 @@ class LayerPrecision:
             ("weight", self.weight, FORMATS),
             ("act", self.act, FORMATS),
             ("weight_scaling", self.weight_scaling, ("tensor", "tile2d")),
-            ("act_scaling", self.act_scaling, ("tensor", "row")),
+            ("act_scaling", self.act_scaling, ACT_SCALINGS),
             ("grad", self.grad, GRAD_MODES),
         ):
             if value not in allowed:
