@@ -2,6 +2,7 @@
 
     python experiments/organism_sweep.py [--cells base,lr1e-4,...] [--arms bf16,nvfp4] [--seeds 0,1,2]
         [--steps 80] [--quick] [--results experiments/results] [--tag organism_sweep]
+        [--merge results/<earlier sweep or study>.json ...] [--replot]
 
 Each cell is one setting of the levers the paper's collapse could depend on (CELLS: learning rate, updates per
 rollout batch, temperature, response budget, the 4-bit format, the LM head's and the activations' quantization);
@@ -12,7 +13,10 @@ more seeds than its BF16 arm; the table also shows how each precursor moved (fir
 seeds) so a cell that drifts without collapsing within its steps reads as such.
 
 Writes <results>/<tag>.json (per cell, arm and seed: collapsed, collapse_step, first_alarm_step, first -> last
-window of the watched metrics, final metrics, avg@n) and <tag>.md (the table).
+window of the watched metrics, final metrics, avg@n) and <tag>.md (the table). `--merge` joins earlier reports of
+the same steps: other sweeps' cells, and a study's (experiments/organism.py) runs of this sweep's arms as its cell's
+(the same runs: a study trains its BF16 and NVFP4 arms exactly as a sweep does), so several sweep processes, run side
+by side, end in one table (`--replot --merge ...`).
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ def parse_args(argv=None):
                    help="rebuild the table and JSON from the runs' history.json under --out_dir (no training): the "
                         "finished runs of an interrupted sweep; avg@n from an earlier <tag>.json where it has them")
     p.add_argument("--tag", default=None, help="file name stem of the outputs (default organism_sweep[_quick])")
+    p.add_argument("--merge", nargs="*", default=[],
+                   help="earlier reports of the same --steps: sweeps (<tag>.json) and organism.py studies, whose "
+                        "(cell, arm) runs join this report where it has none")
     args = p.parse_args(argv)
     for k, v in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, k) is None:
@@ -109,6 +116,15 @@ def parse_args(argv=None):
         p.error(f"--cells: unknown or empty {unknown}; choose from {list(CELLS)}")
     args.tag = args.tag or ("organism_sweep_quick" if args.quick else "organism_sweep")
     args.out_dir = args.out_dir or os.path.join(common.ROOT, "runs", args.tag)
+    for path in args.merge:
+        if not os.path.exists(path):
+            p.error(f"--merge: {path} does not exist")
+        with open(path) as f:
+            earlier = json.load(f)
+        if "cells" not in earlier and "regime" not in earlier:
+            p.error(f"--merge: {path} is neither a sweep report (no 'cells') nor a study report (no 'regime')")
+        if earlier["args"]["steps"] != args.steps:
+            p.error(f"--merge: {path} ran --steps {earlier['args']['steps']}, this report --steps {args.steps}")
     # Every per-run argument goes through the study's own parser, so the two validate alike.
     for cell in args.cells:
         study_args(args, cell)
@@ -154,6 +170,8 @@ def save(args, cells: dict, total_s: float) -> str:
             f"{total_s / 60:.1f} min\n\nCollapse rule: `rl.monitor.collapsed` (rollout accuracy < 1/2 of its "
             "running peak for 20 steps, or delta_q05 < -10); 'first alarm': the first level-1 early-warning alarm per "
             "seed. Metric columns: mean over the first -> the last window of steps, pooled over seeds.\n\n"
+            + "".join(f"Joins `{os.path.basename(m)}` ({merged_minutes(m):.1f} min).\n" for m in args.merge)
+            + ("\n" if args.merge else "")
             + "\n".join(f"- `{c}`: {rec['description']}" for c, rec in cells.items())
             + "\n\n" + table(cells, args.eval_n) + "\n")
     os.makedirs(args.results, exist_ok=True)
@@ -162,6 +180,11 @@ def save(args, cells: dict, total_s: float) -> str:
     common.write_json(os.path.join(args.results, f"{args.tag}.json"),
                       {"args": vars(args), "total_s": total_s, "cells": cells})
     return text
+
+
+def merged_minutes(path: str) -> float:
+    with open(path) as f:
+        return json.load(f).get("total_s", math.nan) / 60
 
 
 def record(r: dict, k: int) -> dict:
@@ -203,6 +226,31 @@ def replot(args, log) -> tuple[dict, float]:
     return cells, total
 
 
+def merged(args, cells: dict) -> dict:
+    """`cells` joined by the --merge reports' runs where it has no run of that (cell, arm); a study report's runs
+    count for its regime's cell, only its arms in --arms (the sweep's)."""
+    out = {c: {**rec, "arms": dict(rec["arms"])} for c, rec in cells.items()}
+    arms = args.arms.split(",")
+    for path in args.merge:
+        with open(path) as f:
+            earlier = json.load(f)
+        if "cells" in earlier:
+            found = earlier["cells"]
+        else:
+            reg = earlier["regime"]
+            spec = CELLS[reg["cell"]]
+            found = {reg["cell"]: {**dataclasses.asdict(spec), "window": earlier["final_window"],
+                                   "warmup_eval": earlier["warmup_eval"],
+                                   "arms": {a: v for a, v in earlier["arms"].items() if a in arms}}}
+        for cell, rec in found.items():
+            mine = out.setdefault(cell, {**rec, "arms": {}})
+            for arm, per_seed in rec["arms"].items():
+                mine["arms"].setdefault(arm, per_seed)
+    order = list(stability.ARMS)
+    return {c: {**rec, "arms": {a: rec["arms"][a] for a in sorted(rec["arms"], key=order.index)}}
+            for c, rec in out.items() if rec["arms"]}
+
+
 def run_sweep(args, log) -> dict:
     t0 = time.perf_counter()
     cells = {}
@@ -217,7 +265,7 @@ def run_sweep(args, log) -> dict:
                 arms[arm][seed] = record(r, k)
         cells[cell] = {**dataclasses.asdict(CELLS[cell]), "window": k, "warmup_eval": study["warmup_eval"],
                        "arms": arms}
-        save(args, cells, time.perf_counter() - t0)  # after every cell: a crash or kill keeps the finished ones
+        save(args, merged(args, cells), time.perf_counter() - t0)  # after every cell: a crash or kill keeps the finished ones
     return cells
 
 
@@ -256,7 +304,7 @@ def main(argv=None) -> int:
         with common.compile_cache(args.compile_cache):
             cells = run_sweep(args, log)
         total = time.perf_counter() - t0
-    print(save(args, cells, total))
+    print(save(args, merged(args, cells), total))
     log(f"table: {os.path.join(args.results, args.tag + '.md')}")
     return 0
 

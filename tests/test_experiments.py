@@ -2,6 +2,7 @@
 --quick runs of both studies."""
 
 import ast
+import dataclasses
 import glob
 import json
 import math
@@ -377,6 +378,48 @@ def test_organism_sweep_args():
     for bad in (["--cells", "nope"], ["--cells", ""], ["--arms", "bogus"], ["--set", "novalue"]):
         with pytest.raises(SystemExit):
             organism_sweep.parse_args(bad)
+
+
+def _fake_sweep_record(seed: int, acc: float) -> dict:
+    drift = {key: [acc, acc / 2] for key, _, _ in organism_sweep.WATCHED}
+    return {"collapsed": seed == 2, "collapse_step": 21 if seed == 2 else None, "first_alarm_step": 5 + seed,
+            "final": {}, "eval": {"avg@4": acc}, "train_s": 1.0, "run_dir": "gone", "drift": drift}
+
+
+def test_organism_sweep_merge_joins_sweeps_and_a_studys_arms(tmp_path):
+    """Side-by-side sweep processes and the study end in one table: a sweep report's cells join, a study report's
+    runs count for its regime's cell (only the sweep's arms), the first report to name a (cell, arm) wins, and a
+    report of other steps is a parser error naming --merge."""
+    seeds = {str(s): _fake_sweep_record(s, 0.25) for s in range(3)}
+    sweep = {"args": {"steps": 40}, "total_s": 600.0,
+             "cells": {"mxfp4_lr5e-5": {**dataclasses.asdict(organism_sweep.CELLS["mxfp4_lr5e-5"]), "window": 5,
+                                        "arms": {"nvfp4": seeds}},
+                       "lr5e-5": {**dataclasses.asdict(organism_sweep.CELLS["lr5e-5"]), "window": 5,
+                                  "arms": {"nvfp4": {str(s): _fake_sweep_record(s, 0.75) for s in range(3)}}}}}
+    study = {"args": {"steps": 40}, "total_s": 3000.0, "final_window": 5, "warmup_eval": {"avg@4": 0.7},
+             "regime": {"cell": "lr5e-5"},
+             "arms": {arm: {str(s): _fake_sweep_record(s, 0.5) for s in range(3)}
+                      for arm in ("bf16", "nvfp4", "nvfp4_tis")}}
+    paths = []
+    for name, rep in (("a.json", sweep), ("study.json", study)):
+        paths.append(str(tmp_path / name))
+        common.write_json(paths[-1], rep)
+    res = tmp_path / "res"
+    assert organism_sweep.main(["--replot", "--steps", "40", "--results", str(res), "--out_dir",
+                                str(tmp_path / "runs"), "--tag", "m", "--merge", *paths]) == 0
+    with open(res / "m.json") as f:
+        cells = json.load(f)["cells"]
+    assert list(cells["lr5e-5"]["arms"]) == ["bf16", "nvfp4"]  # the study's TIS arm is not a sweep arm
+    assert cells["lr5e-5"]["arms"]["nvfp4"]["0"]["eval"]["avg@4"] == 0.75  # the first report named it
+    assert cells["lr5e-5"]["arms"]["bf16"]["0"]["eval"]["avg@4"] == 0.5
+    assert list(cells["mxfp4_lr5e-5"]["arms"]) == ["nvfp4"]
+    md = (res / "m.md").read_text()
+    assert "Joins `a.json` (10.0 min)" in md and "Joins `study.json` (50.0 min)" in md
+    assert "| lr5e-5 | bf16 | 1/3 (21) | 5, 6, 7 |" in md and "| mxfp4_lr5e-5 | nvfp4 | 1/3 (21) |" in md
+    with pytest.raises(SystemExit):
+        organism_sweep.parse_args(["--steps", "20", "--merge", paths[0]])
+    with pytest.raises(SystemExit):
+        organism_sweep.parse_args(["--steps", "40", "--merge", str(tmp_path / "missing.json")])
 
 
 @pytest.mark.slow  # 97 s on 2 busy cores (pytest -n 2)
