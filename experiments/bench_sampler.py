@@ -3,7 +3,9 @@ and against the matmul-only ceiling, side by side in one run.
 
     python experiments/bench_sampler.py [--repeats=3] [--skew_slots=64] [--quick]
 
-Four measurements. Times are the best of --repeats after a warm-up call that compiles; the calls a ratio compares
+Every engine is configured as the trainer builds it (`build.engine_config` over the base config: its cache budget
+max_prompt_len + max_new_tokens, a prefill as wide as the prompt bucket, 8 steps per round), except where a
+section names a setting. Four measurements. Times are the best of --repeats after a warm-up call that compiles; the calls a ratio compares
 run interleaved (A, B, A, B, ...), so a change of the machine's load hits both sides alike. The load average is
 printed at the start, and each section is judged by the CPU other processes used while it ran (the load average
 would count this benchmark's own threads); a loaded start or section flags the table and the JSON line
@@ -36,6 +38,7 @@ Prints the load first, a table and one JSON line (`"bench": "sampler"`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -51,7 +54,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments.loadavg import ForeignCpu, machine_load  # noqa: E402
-from triage_jax import models  # noqa: E402
+from triage_jax import build, models  # noqa: E402
+from triage_jax.config import base_config  # noqa: E402
 from triage_jax.sampler import Engine, EngineConfig, SamplingConfig  # noqa: E402
 
 STOP = 1  # the countdown model's stop id
@@ -80,6 +84,14 @@ def interleaved(fns, repeats):
             outs[k] = fn()
             times[k].append(time.perf_counter() - t0)
     return [min(t) for t in times], outs
+
+
+def engine_config(slots: int, prompt_len: int, new_tokens: int, **overrides) -> EngineConfig:
+    """The EngineConfig the trainer would build (`build.engine_config`) for rollouts of `slots` responses of
+    prompt_len + new_tokens tokens: its cache budget, prefill width, steps per round and tail compaction."""
+    c = base_config()
+    c.sampler.max_slots, c.sampler.max_prompt_len, c.sampler.max_new_tokens = slots, prompt_len, new_tokens
+    return dataclasses.replace(build.engine_config(c), **overrides)
 
 
 def engine_call(model, prompts, cfg: SamplingConfig, config: EngineConfig, key=0):
@@ -121,8 +133,7 @@ def bench_vs_hf(model, hf_model, batches, prompt_len, new_tokens, repeats, rng, 
     rows = []
     for b in batches:
         prompts = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(b)]
-        cap = 1 << (prompt_len + new_tokens - 1).bit_length()
-        config = EngineConfig(max_slots=b, max_len=cap)
+        config = engine_config(b, prompt_len, new_tokens)
         fns = [engine_call(model, prompts, SamplingConfig(max_new_tokens=n), config)[0] for n in (new_tokens, 1)]
         if hf_model is not None:
             fns += [hf_call(hf_model, prompts, n) for n in (new_tokens, 1)]
@@ -142,9 +153,8 @@ def bench_vs_hf(model, hf_model, batches, prompt_len, new_tokens, repeats, rng, 
 
 def greedy_rows_match(model, hf_model, prompt_len, new_tokens, rng, vocab, b=8):
     prompts = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(b)]
-    cap = 1 << (prompt_len + new_tokens - 1).bit_length()
     out = engine_call(model, prompts, SamplingConfig(max_new_tokens=new_tokens, greedy=True),
-                      EngineConfig(max_slots=b, max_len=cap))[0]()
+                      engine_config(b, prompt_len, new_tokens))[0]()
     ref = hf_call(hf_model, prompts, new_tokens, greedy=True)()
     ours = np.asarray(out.tokens)
     return int(sum(np.array_equal(ours[i], ref[i]) for i in range(b))), b
@@ -191,11 +201,10 @@ def bench_skewed(n, max_new, prompt_len, slots_list, repeats, rng):
     m, vocab = countdown_model(max_new)
     prompts = [rng.integers(max_new + 2, vocab, prompt_len - 1).tolist() + [int(L) + 1] for L in lengths]
     cfg = SamplingConfig(max_new_tokens=max_new, greedy=True, stop_ids=(STOP,))
-    max_len = prompt_len + max_new
     useful = int(lengths.sum())
 
-    configs = [EngineConfig(max_slots=n, max_len=max_len, continuous=False)]
-    configs += [EngineConfig(max_slots=s, max_len=max_len) for s in slots_list]
+    configs = [engine_config(n, prompt_len, max_new, continuous=False)]
+    configs += [engine_config(s, prompt_len, max_new) for s in slots_list]
     calls = [engine_call(m, prompts, cfg, c) for c in configs]
     times, outs = interleaved([c[0] for c in calls], repeats)
     for out in outs:
@@ -265,7 +274,7 @@ def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32):
     fns = [lambda: jax.block_until_ready(loop(x, layers, head))]
     if model is not None:
         prompts = [np.random.default_rng(1).integers(2, v, prompt_len).tolist() for _ in range(batch)]
-        config = EngineConfig(max_slots=batch, max_len=1 << (prompt_len + steps - 1).bit_length())
+        config = engine_config(batch, prompt_len, steps)
         fns += [engine_call(model, prompts, SamplingConfig(max_new_tokens=n), config)[0] for n in (steps, 1)]
     times, _ = interleaved(fns, repeats)
     engine = batch * (steps - 1) / max(times[1] - times[2], 1e-9) if model is not None else None

@@ -39,3 +39,17 @@ def test_matmul_ceiling_runs():
 def test_tunix_id_tokenizer_round_trips():
     tok = IdTokenizer()
     assert tok.encode("5 17 99") == [5, 17, 99] and tok.decode([5, 17]) == "5 17" and tok.bos_id() is None
+
+
+def test_bench_engines_are_configured_as_the_trainer_builds_them():
+    """The benchmark times the trainer's engine: the same EngineConfig `build.engine` makes for those sampler
+    settings (a prefill as wide as the prompt, a cache budget of prompt + response), not a hand-made one."""
+    from triage_jax import build
+    from triage_jax.config import base_config
+
+    c = base_config()
+    c.sampler.max_slots, c.sampler.max_prompt_len, c.sampler.max_new_tokens = 32, 32, 128
+    config = bs.engine_config(32, 32, 128)
+    assert config == build.engine_config(c)
+    assert config.max_prompt_len == 32 and config.max_len == 160 and config.max_slots == 32
+    assert bs.engine_config(8, 32, 128, continuous=False).continuous is False

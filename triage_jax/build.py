@@ -119,14 +119,20 @@ def engine(c: ml_collections.ConfigDict, tok, model=None, *, mesh=None):
     """The rollout engine: `sampler.max_slots` decode slots (0: one per response of a rollout batch) split over
     the (learner's) mesh's batch axes, sequences of up to max_prompt_len + max_new_tokens tokens; it records
     MoE routing for the learner to replay when `rl.routing_replay`."""
-    from triage_jax.sampler import Engine, EngineConfig
+    from triage_jax.sampler import Engine
+
+    return Engine(sampling(c, tok), engine_config(c), policy=sampler_policy(c), pad_id=tok.pad_id, model=model,
+                  mesh=mesh, record_routing=c.rl.routing_replay)
+
+
+def engine_config(c: ml_collections.ConfigDict):
+    """The engine's slots and scheduling from `sampler.*` (benchmarks build theirs here too, to time what runs)."""
+    from triage_jax.sampler import EngineConfig
 
     slots = c.sampler.max_slots or c.rl.num_prompts * c.rl.group_size
-    return Engine(sampling(c, tok), EngineConfig(
-        max_slots=slots, max_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens,
-        steps_per_round=c.sampler.steps_per_round, prefill_batch=c.sampler.prefill_batch,
-        max_prompt_len=c.sampler.max_prompt_len, compact_tail=c.sampler.compact_tail),
-        policy=sampler_policy(c), pad_id=tok.pad_id, model=model, mesh=mesh, record_routing=c.rl.routing_replay)
+    return EngineConfig(max_slots=slots, max_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens,
+                        steps_per_round=c.sampler.steps_per_round, prefill_batch=c.sampler.prefill_batch,
+                        max_prompt_len=c.sampler.max_prompt_len, compact_tail=c.sampler.compact_tail)
 
 
 def triage(c: ml_collections.ConfigDict) -> TriageConfig:
