@@ -7,8 +7,9 @@ The tiny Qwen3 (random init, seed 0, float32) is exported with `triage_jax.model
 directory with its own Qwen3 (`tunix.models.qwen3.params.create_model_from_safe_tensors`) and decodes it with
 `tunix.generate.sampler.Sampler`, in a subprocess running the Tunix venv's python (Tunix is never installed into
 this project's environment). Both sides: prompt 32 random ids, 128 new tokens, greedy, no stop (Tunix gets
-eos_tokens=[-1], a token it never draws), KV cache of 256 slots (Tunix attends over all of it; the engine's
-capacity follows the held tokens), batch 8 and 32. The tiny config is used with rope_theta = 1e6: Tunix 0.1.7's Qwen3
+eos_tokens=[-1], a token it never draws), a KV cache of exactly prompt + new tokens (160) slots for Tunix (it attends
+over all of it) and the engine the trainer builds for those lengths (bench_sampler.engine_config: the same 160-token
+budget, its capacity following the held tokens), batch 8 and 32. The tiny config is used with rope_theta = 1e6: Tunix 0.1.7's Qwen3
 never passes its config's rope_theta to `apply_rope` (whose default, 1e6, is what it always applies), so with the
 tiny config's 1e4 it would run a different model (its greedy tokens then differ from HF's and ours).
 
@@ -133,12 +134,14 @@ class TunixWorker:
 
 # ------------------------------------------------------------------------------------------ engine side (this env)
 
-def engine_call(model, prompts, n, cache_size):
+def engine_call(model, prompts, n, prompt_len, new_tokens):
+    """The engine the trainer builds for prompt_len + new_tokens (bench_sampler.engine_config), decoding n tokens."""
     import jax
 
-    from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
+    from experiments.bench_sampler import engine_config
+    from triage_jax.sampler import Engine, SamplingConfig
 
-    eng = Engine(SamplingConfig(max_new_tokens=n, greedy=True), EngineConfig(max_slots=len(prompts), max_len=cache_size),
+    eng = Engine(SamplingConfig(max_new_tokens=n, greedy=True), engine_config(len(prompts), prompt_len, new_tokens),
                  pad_id=0, model=model)
 
     def run():
@@ -184,7 +187,7 @@ def main(argv=None):
     model = models.Qwen3(cfg_model, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     batches = [int(x) for x in args.batches.split(",")]
-    cache_size = 1 << (args.prompt_len + args.new_tokens - 1).bit_length()
+    cache_size = args.prompt_len + args.new_tokens  # Tunix's KV cache: exactly the sequence, as the engine's budget
     prompt_sets = [[rng.integers(2, cfg_model.vocab_size, args.prompt_len).tolist() for _ in range(b)]
                    for b in batches]
     with tempfile.TemporaryDirectory() as d:
@@ -197,7 +200,7 @@ def main(argv=None):
         # calls in turn, --repeats times.
         meas = []
         for k, prompts in enumerate(prompt_sets):
-            fns = [engine_call(model, prompts, n, cache_size) for n in (args.new_tokens, 1)]
+            fns = [engine_call(model, prompts, n, args.prompt_len, args.new_tokens) for n in (args.new_tokens, 1)]
             fns += [lambda n=n, k=k: (lambda r: (r["t"], r["tokens"]))(worker.call(k, n)) for n in (args.new_tokens, 1)]
             outs = [fn() for fn in fns]
             times = [[] for _ in fns]

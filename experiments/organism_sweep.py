@@ -166,8 +166,9 @@ def window_means(history: list[dict], key: str, k: int) -> tuple[float, float]:
 
 def save(args, cells: dict, total_s: float) -> str:
     """The results so far: <tag>.json and the <tag>.md table."""
-    text = (f"## {args.tag}: {args.config}, {args.steps} steps, seeds {args.seeds}, arms {args.arms}, "
-            f"{total_s / 60:.1f} min\n\nCollapse rule: `rl.monitor.collapsed` (rollout accuracy < 1/2 of its "
+    own = f"{total_s / 60:.1f} min" if math.isfinite(total_s) else "no runs of its own"
+    text = (f"## {args.tag}: {args.config}, {args.steps} steps, seeds {args.seeds}, arms {args.arms}, {own}"
+            f"\n\nCollapse rule: `rl.monitor.collapsed` (rollout accuracy < 1/2 of its "
             "running peak for 20 steps, or delta_q05 < -10); 'first alarm': the first level-1 early-warning alarm per "
             "seed. Metric columns: mean over the first -> the last window of steps, pooled over seeds.\n\n"
             + "".join(f"Joins `{os.path.basename(m)}` ({merged_minutes(m):.1f} min).\n" for m in args.merge)
