@@ -57,7 +57,6 @@ def _startup_sigterm(signum, frame):
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _startup_sigterm)  # the Trainer takes over once it is being built
     from triage_jax.config import ConfigError, validate
 
     c = _CONFIG.value
@@ -138,6 +137,9 @@ def check_config_file(argv: list[str]) -> None:
 
 
 def run() -> None:
+    # From the first line on (loading the config file imports JAX, seconds on a busy machine) until the Trainer
+    # takes over the signal while it is being built.
+    signal.signal(signal.SIGTERM, _startup_sigterm)
     check_config_file(sys.argv[1:])
     check_override_keys(sys.argv[1:])
     app.run(main)
