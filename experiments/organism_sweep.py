@@ -246,6 +246,8 @@ def merged(args, cells: dict) -> dict:
         for cell, rec in found.items():
             mine = out.setdefault(cell, {**rec, "arms": {}})
             for arm, per_seed in rec["arms"].items():
+                for r in per_seed.values():  # JSON stores a never-finite window (NaN) as null
+                    r["drift"] = {k: [math.nan if v is None else v for v in w] for k, w in r["drift"].items()}
                 mine["arms"].setdefault(arm, per_seed)
     order = list(stability.ARMS)
     return {c: {**rec, "arms": {a: rec["arms"][a] for a in sorted(rec["arms"], key=order.index)}}

@@ -382,6 +382,7 @@ def test_organism_sweep_args():
 
 def _fake_sweep_record(seed: int, acc: float) -> dict:
     drift = {key: [acc, acc / 2] for key, _, _ in organism_sweep.WATCHED}
+    drift["mismatch/tail_persistence"] = [None, acc]  # a window where it was never finite: JSON null
     return {"collapsed": seed == 2, "collapse_step": 21 if seed == 2 else None, "first_alarm_step": 5 + seed,
             "final": {}, "eval": {"avg@4": acc}, "train_s": 1.0, "run_dir": "gone", "drift": drift}
 
