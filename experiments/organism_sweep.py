@@ -171,7 +171,7 @@ def save(args, cells: dict, total_s: float) -> str:
             f"\n\nCollapse rule: `rl.monitor.collapsed` (rollout accuracy < 1/2 of its "
             "running peak for 20 steps, or delta_q05 < -10); 'first alarm': the first level-1 early-warning alarm per "
             "seed. Metric columns: mean over the first -> the last window of steps, pooled over seeds.\n\n"
-            + "".join(f"Joins `{os.path.basename(m)}` ({merged_minutes(m):.1f} min).\n" for m in args.merge)
+            + "".join(f"Joins `{os.path.basename(m)}` ({merged_minutes(m)}).\n" for m in args.merge)
             + ("\n" if args.merge else "")
             + "\n".join(f"- `{c}`: {rec['description']}" for c, rec in cells.items())
             + "\n\n" + table(cells, args.eval_n) + "\n")
@@ -183,9 +183,11 @@ def save(args, cells: dict, total_s: float) -> str:
     return text
 
 
-def merged_minutes(path: str) -> float:
+def merged_minutes(path: str) -> str:
+    """An earlier report's wall time ("wall time not recorded" for a --replot of an interrupted sweep)."""
     with open(path) as f:
-        return json.load(f).get("total_s", math.nan) / 60
+        total = json.load(f).get("total_s")
+    return "wall time not recorded" if total is None or not math.isfinite(total) else f"{total / 60:.1f} min"
 
 
 def record(r: dict, k: int) -> dict:
