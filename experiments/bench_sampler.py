@@ -4,11 +4,11 @@ and against the matmul-only ceiling, side by side in one run.
     python experiments/bench_sampler.py [--repeats=3] [--skew_slots=64] [--quick]
 
 Every engine is configured as the trainer builds it (`build.engine_config` over the base config: its cache budget
-max_prompt_len + max_new_tokens, a prefill as wide as the prompt bucket, 8 steps per round), except where a
-section names a setting. Four measurements. Times are the best of --repeats after a warm-up call that compiles; the calls a ratio compares
-run interleaved (A, B, A, B, ...), so a change of the machine's load hits both sides alike. The load average is
-printed at the start, and each section is judged by the CPU other processes used while it ran (the load average
-would count this benchmark's own threads); a loaded start or section flags the table and the JSON line
+max_prompt_len + max_new_tokens, a prefill as wide as the prompt bucket, 8 steps per round), except where a section
+names a setting. Four measurements. Times are the best of --repeats after a warm-up call that compiles; the calls a
+ratio compares run interleaved (A, B, A, B, ...), so a change of the machine's load hits both sides alike. The load
+average is printed at the start, and each section is judged by the CPU other processes used while it ran (the load
+average would count this benchmark's own threads); a loaded start or section flags the table and the JSON line
 (experiments/loadavg.py).
 
 1. **vs HF `generate`** - the tiny Qwen3 (random init, seed 0, float32, no quantization) is exported with

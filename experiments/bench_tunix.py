@@ -7,11 +7,12 @@ The tiny Qwen3 (random init, seed 0, float32) is exported with `triage_jax.model
 directory with its own Qwen3 (`tunix.models.qwen3.params.create_model_from_safe_tensors`) and decodes it with
 `tunix.generate.sampler.Sampler`, in a subprocess running the Tunix venv's python (Tunix is never installed into
 this project's environment). Both sides: prompt 32 random ids, 128 new tokens, greedy, no stop (Tunix gets
-eos_tokens=[-1], a token it never draws), a KV cache of exactly prompt + new tokens (160) slots for Tunix (it attends
-over all of it) and the engine the trainer builds for those lengths (bench_sampler.engine_config: the same 160-token
-budget, its capacity following the held tokens), batch 8 and 32. The tiny config is used with rope_theta = 1e6: Tunix 0.1.7's Qwen3
-never passes its config's rope_theta to `apply_rope` (whose default, 1e6, is what it always applies), so with the
-tiny config's 1e4 it would run a different model (its greedy tokens then differ from HF's and ours).
+eos_tokens=[-1], a token it never draws), a KV cache of exactly prompt + new tokens (160) slots for Tunix (it
+attends over all of it) and the engine the trainer builds for those lengths (bench_sampler.engine_config: the same
+160-token budget, its capacity following the held tokens), batch 8 and 32. The tiny config is used with rope_theta =
+1e6: Tunix 0.1.7's Qwen3 never passes its config's rope_theta to `apply_rope` (whose default, 1e6, is what it always
+applies), so with the tiny config's 1e4 it would run a different model (its greedy tokens then differ from HF's and
+ours).
 
 Timed per side and batch (best of --repeats after a warm-up that compiles): end to end (prefill + 128 tokens)
 and the same call with 1 new token (prefill + first draw); decode tokens/s = batch x 127 / (difference). Tunix runs

@@ -6,11 +6,12 @@
 
 Each cell is one setting of the levers the paper's collapse could depend on (CELLS: learning rate, updates per
 rollout batch, temperature, response budget, the 4-bit format, the LM head's and the activations' quantization);
-each (cell, arm, seed) is one GRPO run from the config's cached warm-up, trained by `experiments/stability.py`'s `run_one` (the study's own code path). The collapse rule is fixed
-before any run and computed by code: `triage_jax.rl.monitor.collapsed` (rollout accuracy below half its running
-peak for 20 consecutive steps, or delta_q05 below -10). A cell shows the phenomenon when its NVFP4 arm collapses in
-more seeds than its BF16 arm; the table also shows how each precursor moved (first -> last window, pooled over
-seeds) so a cell that drifts without collapsing within its steps reads as such.
+each (cell, arm, seed) is one GRPO run from the config's cached warm-up, trained by `experiments/stability.py`'s
+`run_one` (the study's own code path). The collapse rule is fixed before any run and computed by code:
+`triage_jax.rl.monitor.collapsed` (rollout accuracy below half its running peak for 20 consecutive steps, or
+delta_q05 below -10). A cell shows the phenomenon when its NVFP4 arm collapses in more seeds than its BF16 arm; the
+table also shows how each precursor moved (first -> last window, pooled over seeds) so a cell that drifts without
+collapsing within its steps reads as such.
 
 Writes <results>/<tag>.json (per cell, arm and seed: collapsed, collapse_step, first_alarm_step, first -> last
 window of the watched metrics, final metrics, avg@n) and <tag>.md (the table). `--merge` joins earlier reports of
@@ -270,7 +271,8 @@ def run_sweep(args, log) -> dict:
                 arms[arm][seed] = record(r, k)
         cells[cell] = {**dataclasses.asdict(CELLS[cell]), "window": k, "warmup_eval": study["warmup_eval"],
                        "arms": arms}
-        save(args, merged(args, cells), time.perf_counter() - t0)  # after every cell: a crash or kill keeps the finished ones
+        # After every cell: a crash or kill keeps the finished ones.
+        save(args, merged(args, cells), time.perf_counter() - t0)
     return cells
 
 
