@@ -130,7 +130,9 @@ TRAINER_SCRIPT = textwrap.dedent("""
 def test_trainer_on_8_devices_rolls_out_what_1_device_does(tmp_path):
     """The trainer on --config.mesh.data=8 (8 simulated devices) and on data=2 x tensor=2 (4 devices, the synced
     W4A4 weights split over tensor): its first rollout is the 1-device run's exactly (tokens, rewards, lengths),
-    and the step's learner metrics agree to float reduction order."""
+    and the step's learner metrics agree to float reduction order. The learner computes in bf16: the row-parallel
+    layers add their f32 partial sums in another order, which now and then flips a bf16 rounding of an activation,
+    so mean |delta| (a mean of log-prob differences) agrees to bf16 precision (2^-8), the loss to f32's."""
     def run(data, tensor, devices):
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
         out = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT, str(tmp_path / f"run{data}x{tensor}"), str(data),
@@ -144,6 +146,6 @@ def test_trainer_on_8_devices_rolls_out_what_1_device_does(tmp_path):
         for k in ("ids", "rewards", "lengths"):
             np.testing.assert_array_equal(np.asarray(one[k]), np.asarray(other[k]), err_msg=k)
         assert one["reward"] == other["reward"]
-        for k in ("loss", "delta"):
-            np.testing.assert_allclose(one[k], other[k], rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(one["loss"], other["loss"], rtol=1e-4, atol=1e-6, err_msg="loss")
+        np.testing.assert_allclose(one["delta"], other["delta"], rtol=2.0 ** -8, err_msg="delta")
     assert tp["q_shard"] == [tp["q_shape"][0] // 2, tp["q_shape"][1]]  # the sampler's q_proj split over tensor
