@@ -110,10 +110,10 @@ def warm_model(c, *, dtype: str | None = None, progress: bool = False):
     from triage_jax import build, models
     from triage_jax.warmup import cache_path, warm_start
 
-    tok = build.tokenizer(c)
+    tok, source = build.tokenizer(c), build.source(c)
     mc = build.model_config(c, tok.vocab_size)
-    model = warm_start(c, mc, tok, build.source(c), progress=progress)
-    path = cache_path(c, mc)
+    model = warm_start(c, mc, tok, source, progress=progress)
+    path = cache_path(c, mc, tok, source)
     if dtype is not None and dtype != c.model.dtype:
         model = models.from_pretrained(path, dtype=dtype)
     return model, tok, mc, path
@@ -131,19 +131,20 @@ def share_warmup(c, base_seed: int) -> str | None:
 
     if c.seed == base_seed:
         return None
-    mc = build.model_config(c, build.tokenizer(c).vocab_size)
-    target = cache_path(c, mc)
+    tok, source = build.tokenizer(c), build.source(c)
+    mc = build.model_config(c, tok.vocab_size)
+    target = cache_path(c, mc, tok, source)
     if os.path.exists(os.path.join(target, "config.json")):
         return None
     base = c.copy_and_resolve_references()
     base.seed = base_seed
-    source = cache_path(base, mc)
-    if not os.path.exists(os.path.join(source, "config.json")):
-        raise FileNotFoundError(f"no warm-up cache for seed {base_seed} at {source}; warm it up first")
+    shared = cache_path(base, mc, tok, source)
+    if not os.path.exists(os.path.join(shared, "config.json")):
+        raise FileNotFoundError(f"no warm-up cache for seed {base_seed} at {shared}; warm it up first")
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.islink(target):
         os.remove(target)
-    os.symlink(os.path.abspath(source), target)
+    os.symlink(os.path.abspath(shared), target)
     return target
 
 

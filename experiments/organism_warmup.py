@@ -53,8 +53,9 @@ def main(argv=None):
 
     print(json.dumps({"config": args.config, "params": mc.num_params(), "vocab": tok.vocab_size,
                       "warmup": c.warmup.to_dict()}), flush=True)
-    if os.path.exists(os.path.join(cache_path(c, mc), "config.json")):
-        raise SystemExit(f"already cached: {cache_path(c, mc)} (delete it to measure again)")
+    cached = cache_path(c, mc, tok, src)
+    if os.path.exists(os.path.join(cached, "config.json")):
+        raise SystemExit(f"already cached: {cached} (delete it to measure again)")
     warm_start(c, mc, tok, src, on_step=on_step)
 
 

@@ -7,7 +7,7 @@ from flax import nnx
 
 from triage_jax import build, models
 from triage_jax.config import base_config
-from triage_jax.warmup import sft_batch, sft_seq_len, train_sft
+from triage_jax.warmup import cache_path, sft_batch, sft_seq_len, train_sft
 
 
 def _organism_like(tmp_path):
@@ -47,3 +47,23 @@ def test_sft_loss_falls_and_on_step_only_observes(tmp_path):
     for x, y in zip(jax.tree.leaves(final), jax.tree.leaves(nnx.state(a, nnx.Param))):
         np.testing.assert_array_equal(x, y)  # the model at the last update is the trained model
 
+
+
+def test_a_wider_response_budget_shares_the_warmup_a_truncating_one_does_not(tmp_path):
+    """The warm-up cache is keyed by the SFT rows it trains on: a config that only widens sampler.max_new_tokens
+    past the longest reference chain reuses the cached warm-up (its SFT is the same), one that cuts the chains
+    (or changes the warm-up's settings) gets its own."""
+    c, tok, src = _organism_like(tmp_path)
+    c.sampler.max_new_tokens = 400
+    mc = models.ModelConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    path = cache_path(c, mc, tok, src)
+    seq = sft_seq_len(src, tok, c.sampler.max_prompt_len + c.sampler.max_new_tokens)
+    assert seq < c.sampler.max_prompt_len + c.sampler.max_new_tokens  # the chains end before the window does
+    wide = c.copy_and_resolve_references()
+    wide.sampler.max_new_tokens = 800
+    assert cache_path(wide, mc, tok, src) == path
+    cut = c.copy_and_resolve_references()
+    cut.sampler.max_new_tokens = seq - c.sampler.max_prompt_len - 16
+    steps = c.copy_and_resolve_references()
+    steps.warmup.steps += 1
+    assert len({path, cache_path(cut, mc, tok, src), cache_path(steps, mc, tok, src)}) == 3

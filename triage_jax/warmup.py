@@ -27,13 +27,17 @@ from triage_jax.logprobs import token_logprobs
 log = logging.getLogger(__name__)
 
 
-def cache_path(c: ml_collections.ConfigDict, model_cfg) -> str:
-    """Folder of the cached warm-up checkpoint for these settings."""
+def cache_path(c: ml_collections.ConfigDict, model_cfg, tok, source: SyntheticMathSource) -> str:
+    """Folder of the cached warm-up checkpoint for these settings.
+
+    Keyed by what the SFT trains on, so a config that only widens the RL response budget beyond the longest
+    reference chain (sampler.max_new_tokens) shares the warm-up: its SFT rows are the same padded length.
+    """
     warm = {k: v for k, v in c.warmup.to_dict().items() if k != "cache_dir"}
     key = {
         "model": repr(model_cfg), "tokenizer": c.tokenizer, "template": c.data.template,
         "levels": list(c.data.levels), "num_examples": c.data.num_examples, "warmup": warm,
-        "seq_len": c.sampler.max_prompt_len + c.sampler.max_new_tokens, "seed": c.seed, "version": 1,
+        "seq_len": warmup_seq_len(c, tok, source), "seed": c.seed, "version": 1,
     }
     # Keys added after version 1 enter only when set, so the cached warm-ups of older configs keep their names.
     if c.data.style:
@@ -66,6 +70,11 @@ def sft_seq_len(source: SyntheticMathSource, tok, limit: int, sample: int = 2048
     longest = max(len(tok.encode_prompt(p)) + len(tok.encode(s)) + 1
                   for p, s in (source.sft_pair(i) for i in range(min(sample, len(source)))))
     return min(limit, -(-longest // 8) * 8)
+
+
+def warmup_seq_len(c: ml_collections.ConfigDict, tok, source: SyntheticMathSource) -> int:
+    """The SFT row length of config `c`'s warm-up (at most the sampler's prompt + response window)."""
+    return sft_seq_len(source, tok, c.sampler.max_prompt_len + c.sampler.max_new_tokens)
 
 
 def train_sft(model: nnx.Module, source: SyntheticMathSource, tok, *, steps: int, batch_size: int, lr: float,
@@ -112,12 +121,12 @@ def warm_start(c: ml_collections.ConfigDict, model_cfg, tok, source: SyntheticMa
                progress: bool = False, on_step=None) -> nnx.Module:
     """The cached warmed-up model for these settings, training (and caching) it first when absent (`on_step`:
     see train_sft)."""
-    path = cache_path(c, model_cfg)
+    path = cache_path(c, model_cfg, tok, source)
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("warm-up: reusing %s", path)
         return models.from_pretrained(path, dtype=c.model.dtype)
     model = models.Qwen3(model_cfg, rngs=nnx.Rngs(c.seed))
-    seq_len = sft_seq_len(source, tok, c.sampler.max_prompt_len + c.sampler.max_new_tokens)
+    seq_len = warmup_seq_len(c, tok, source)
     losses = train_sft(model, source, tok, steps=c.warmup.steps, batch_size=c.warmup.batch_size, lr=c.warmup.lr,
                        seq_len=seq_len, seed=c.seed, progress=progress, on_step=on_step)
     log.info("warm-up: SFT loss %.3f -> %.3f over %d steps", losses[0], losses[-1], len(losses))
