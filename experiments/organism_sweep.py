@@ -5,7 +5,7 @@
         [--merge results/<earlier sweep or study>.json ...] [--replot]
 
 Each cell is one setting of the levers the paper's collapse could depend on (CELLS: learning rate, updates per
-rollout batch, temperature, response budget, the 4-bit format, the LM head's and the activations' quantization);
+rollout batch, temperature, response budget, model size, the 4-bit format, the LM head's and the activations' quantization);
 each (cell, arm, seed) is one GRPO run from the config's cached warm-up, trained by `experiments/stability.py`'s
 `run_one` (the study's own code path). The collapse rule is fixed before any run and computed by code:
 `triage_jax.rl.monitor.collapsed` (rollout accuracy below half its running peak for 20 consecutive steps, or
@@ -66,6 +66,8 @@ CELLS: dict[str, Cell] = {
     "temp1.2_lr5e-5": Cell("sampling temperature 1.2 at lr 5e-5", {"sampler.temperature": 1.2, "optim.lr": 5e-5}),
     "len256_lr5e-5": Cell("a 256-token response budget (reference chains are 64-138 tokens: wrong answers may run on) "
                           "at lr 5e-5", {"sampler.max_new_tokens": 256, "optim.lr": 5e-5}),
+    "small_lr5e-5": Cell("a 2.6M model (preset organism_small: 4 layers of width 192, half the organism's 5.2M) "
+                         "with its own warm-up, at lr 5e-5", {"model.preset": "organism_small", "optim.lr": 5e-5}),
     "act_tensor_lr5e-5": Cell("the sampler's NVFP4 activations scaled per tensor (one float32 scale per matmul input, "
                               "shared by the batch) instead of per token, at lr 5e-5", {"optim.lr": 5e-5},
                               quantized={"sampler.act_scaling": "tensor"}),

@@ -268,6 +268,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny_moe": ModelConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
     # ~5.2M parameters for the model organism's long chains (configs/organism.py): vocab 1024 for its task BPE.
     "organism": ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=5),
+    # ~2.6M: the organism at half the size (its sweep's model-size lever; the paper's smaller model collapses sooner).
+    "organism_small": ModelConfig(vocab_size=1024, hidden_size=192, intermediate_size=768, num_hidden_layers=4),
     # Real HF values (Qwen/Qwen3-*/config.json).
     "qwen3_0_6b": ModelConfig(
         **_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
