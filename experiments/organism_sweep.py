@@ -201,8 +201,9 @@ def record(r: dict, k: int) -> dict:
 
 
 def replot(args, log) -> tuple[dict, float]:
-    """The records of every finished run under out_dir (a run folder holding history.json), rebuilt from it, and the
-    earlier invocation's wall time (NaN if none was saved)."""
+    """The records of every finished run under out_dir (a run folder holding history.json; its avg@n and train time
+    from the folder's eval.json, else from the earlier <tag>.json), and the earlier invocation's wall time (NaN if
+    none was saved)."""
     old, total = {}, math.nan
     path = os.path.join(args.results, f"{args.tag}.json")
     if os.path.exists(path):
@@ -221,10 +222,13 @@ def replot(args, log) -> tuple[dict, float]:
                     continue
                 history = common.read_history(run_dir)
                 cfg = common.config_from_json(os.path.join(run_dir, "config.json"))
+                saved = old.get(cell, {}).get("arms", {}).get(arm, {}).get(str(seed), {})
+                if os.path.exists(os.path.join(run_dir, "eval.json")):  # the run's own record wins
+                    with open(os.path.join(run_dir, "eval.json")) as f:
+                        saved = json.load(f)
                 r = {"history": history, "run_dir": run_dir,
                      **stability.outcome(history, cfg.monitor.to_dict(), k),
-                     **{x: old.get(cell, {}).get("arms", {}).get(arm, {}).get(str(seed), {}).get(x)
-                        for x in ("eval", "train_s")}}
+                     **{x: saved.get(x) for x in ("eval", "train_s")}}
                 arms.setdefault(arm, {})[seed] = record(r, k)
         if arms:
             cells[cell] = {**dataclasses.asdict(CELLS[cell]), "window": k, "arms": arms}

@@ -242,6 +242,8 @@ def run_one(args, arm: str, seed: int, log) -> dict:
     t1 = time.perf_counter()
     ev = evaluate_model(tr.learner.model(), tr.tok, c, args)
     eval_s = time.perf_counter() - t1
+    # Beside history.json, so a report rebuilt from the run folders (organism_sweep --replot) keeps every run's avg@n.
+    common.write_json(os.path.join(c.run_dir, "eval.json"), {"eval": ev, "train_s": train_s, "eval_s": eval_s})
     out = outcome(history, c.monitor.to_dict(), final_window(args))
     log(f"{arm} seed {seed}: {len(history)} steps in {train_s:.0f}s (+{eval_s:.0f}s eval); "
         f"reward {history[0]['reward/mean']:+.3f} -> {history[-1]['reward/mean']:+.3f}; "

@@ -453,6 +453,12 @@ def test_organism_sweep_quick_writes_the_table(tmp_path):
         for key in ("collapsed", "collapse_step", "first_alarm_step", "drift", "eval", "final"):
             assert again["cells"][cell]["arms"]["nvfp4"]["0"][key] == rec["arms"]["nvfp4"]["0"][key], key
     assert again["total_s"] == rep["total_s"]
+    # ... and from the run folders alone (each run's eval.json), as when several processes share one out_dir.
+    os.remove(tmp_path / "res" / "organism_sweep_quick.json")
+    assert organism_sweep.main(argv + ["--replot"]) == 0
+    alone = json.load(open(tmp_path / "res" / "organism_sweep_quick.json"))
+    for cell, rec in rep["cells"].items():
+        assert alone["cells"][cell]["arms"]["nvfp4"]["0"]["eval"] == rec["arms"]["nvfp4"]["0"]["eval"]
 
 
 def test_foreign_cpu_counts_other_processes_not_our_children():
