@@ -209,7 +209,8 @@ def replot(args, log) -> tuple[dict, float]:
     if os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
-        old, total = saved.get("cells", {}), saved.get("total_s", math.nan)
+        old, total = saved.get("cells", {}), saved.get("total_s")
+        total = math.nan if total is None else total  # a report with no runs of its own saved NaN as null
     cells = {}
     for cell in args.cells:
         sargs = study_args(args, cell)

@@ -417,6 +417,10 @@ def test_organism_sweep_merge_joins_sweeps_and_a_studys_arms(tmp_path):
     md = (res / "m.md").read_text()
     assert "Joins `a.json` (10.0 min)" in md and "Joins `study.json` (50.0 min)" in md
     assert "| lr5e-5 | bf16 | 1/3 (21) | 5, 6, 7 |" in md and "| mxfp4_lr5e-5 | nvfp4 | 1/3 (21) |" in md
+    # Merging again over the merged report (no runs of its own: its wall time saved as null) redraws the same table.
+    assert organism_sweep.main(["--replot", "--steps", "40", "--results", str(res), "--out_dir",
+                                str(tmp_path / "runs"), "--tag", "m", "--merge", *paths]) == 0
+    assert (res / "m.md").read_text() == md
     with pytest.raises(SystemExit):
         organism_sweep.parse_args(["--steps", "20", "--merge", paths[0]])
     with pytest.raises(SystemExit):
