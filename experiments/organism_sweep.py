@@ -4,14 +4,14 @@
         [--steps 80] [--quick] [--results experiments/results] [--tag organism_sweep]
         [--merge results/<earlier sweep or study>.json ...] [--replot]
 
-Each cell is one setting of the levers the paper's collapse could depend on (CELLS: learning rate, updates per
-rollout batch, temperature, response budget, model size, the 4-bit format, the LM head's and the activations' quantization);
+Each cell is one setting of the levers the paper's collapse could depend on (CELLS: learning rate, updates per rollout
+batch, temperature, response budget, model size, the 4-bit format, the LM head's and the activations' quantization);
 each (cell, arm, seed) is one GRPO run from the config's cached warm-up, trained by `experiments/stability.py`'s
 `run_one` (the study's own code path). The collapse rule is fixed before any run and computed by code:
-`triage_jax.rl.monitor.collapsed` (rollout accuracy below half its running peak for 20 consecutive steps, or
-delta_q05 below -10). A cell shows the phenomenon when its NVFP4 arm collapses in more seeds than its BF16 arm; the
-table also shows how each precursor moved (first -> last window, pooled over seeds) so a cell that drifts without
-collapsing within its steps reads as such.
+`triage_jax.rl.monitor.collapsed` (rollout accuracy below half its running peak for 20 consecutive steps, or delta_q05
+below -10). A cell shows the phenomenon when its NVFP4 arm collapses in more seeds than its BF16 arm; the table also
+shows how each precursor moved (first -> last window, pooled over seeds) so a cell that drifts without collapsing within
+its steps reads as such.
 
 Writes <results>/<tag>.json (per cell, arm and seed: collapsed, collapse_step, first_alarm_step, first -> last
 window of the watched metrics, final metrics, avg@n) and <tag>.md (the table). `--merge` joins earlier reports of

@@ -48,7 +48,6 @@ def test_sft_loss_falls_and_on_step_only_observes(tmp_path):
         np.testing.assert_array_equal(x, y)  # the model at the last update is the trained model
 
 
-
 def test_a_wider_response_budget_shares_the_warmup_a_truncating_one_does_not(tmp_path):
     """The warm-up cache is keyed by the SFT rows it trains on: a config that only widens sampler.max_new_tokens
     past the longest reference chain reuses the cached warm-up (its SFT is the same), one that cuts the chains
