@@ -109,7 +109,7 @@ def parse_args(argv=None):
 def stability_argv(args, thresholds: dict[str, float]) -> list[str]:
     """The stability study's command line for this regime: the cell's overrides, TRIAGE's k_rep and thresholds."""
     ns = argparse.Namespace(config=args.config, arms=args.arms, steps=args.steps, seeds=args.seeds,
-                            eval_problems=args.eval_problems, eval_n=args.eval_n, out_dir=args.out_dir,
+                            eval_problems=args.eval_problems, eval_n=args.eval_n, out_dir=args.out_dir, extend=None,
                             overrides=[f"rl.staleness={args.staleness}"] + list(args.overrides)
                             + [f"rl.triage.k_rep={args.k_rep}"]
                             + [f"{k}={v!r}" for k, v in thresholds.items()])

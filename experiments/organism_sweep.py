@@ -99,6 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every run (repeatable), after the cell's")
     p.add_argument("--out_dir", default=None, help="where the runs go (default runs/<tag>/<cell>)")
+    p.add_argument("--extend", default=None, metavar="DIR",
+                   help="continue an earlier sweep's finished runs (DIR/<cell>/<arm>/seed<k>, fewer steps, the same "
+                        "settings) to --steps instead of training from step 0")
     p.add_argument("--results", default=os.path.join(common.ROOT, "experiments", "results"))
     p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
                    help="JAX persistent compilation cache folder ('' to disable)")
@@ -145,6 +148,8 @@ def study_argv(args, cell: str) -> list[str]:
     argv = ["--config", args.config, "--arms", args.arms, "--steps", str(args.steps), "--seeds", str(args.seeds),
             "--eval_problems", str(args.eval_problems), "--eval_n", str(args.eval_n), "--ks", "1",
             "--eval_reward", "dapo", "--fp4", spec.fp4, "--out_dir", os.path.join(args.out_dir, cell)]
+    if args.extend:
+        argv += ["--extend", os.path.join(args.extend, cell)]
     # The config's own batch (num_prompts x group_size) unless overridden: the study's flags default to its preset.
     c = common.load_config(args.config)
     argv += ["--num_prompts", str(c.rl.num_prompts), "--group_size", str(c.rl.group_size)]
@@ -197,7 +202,7 @@ def record(r: dict, k: int) -> dict:
     """One run's entry of the results: the study's outcome fields plus first -> last window of WATCHED."""
     drift = {key: window_means(r["history"], key, k) for key, _, _ in WATCHED}
     return {x: r.get(x) for x in ("collapsed", "collapse_step", "first_alarm_step", "first_alarms", "final", "eval",
-                                  "train_s", "run_dir")} | {"drift": drift}
+                                  "train_s", "run_dir", "extended")} | {"drift": drift}
 
 
 def replot(args, log) -> tuple[dict, float]:
@@ -229,7 +234,7 @@ def replot(args, log) -> tuple[dict, float]:
                         saved = json.load(f)
                 r = {"history": history, "run_dir": run_dir,
                      **stability.outcome(history, cfg.monitor.to_dict(), k),
-                     **{x: saved.get(x) for x in ("eval", "train_s")}}
+                     **{x: saved.get(x) for x in ("eval", "train_s", "extended")}}
                 arms.setdefault(arm, {})[seed] = record(r, k)
         if arms:
             cells[cell] = {**dataclasses.asdict(CELLS[cell]), "window": k, "arms": arms}

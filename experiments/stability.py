@@ -23,6 +23,7 @@ final avg@n / pass@k on held-out problems go to --figures and --results.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -92,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every arm (repeatable)")
     p.add_argument("--out_dir", default=None, help="where the runs go (default runs/<tag>)")
+    p.add_argument("--extend", default=None, metavar="DIR",
+                   help="continue the finished shorter runs under DIR (DIR/<arm>/seed<k>: the same settings, fewer "
+                        "steps) to --steps instead of training from step 0 (a resumed run continues bit for bit)")
     p.add_argument("--results", default=os.path.join(common.ROOT, "experiments", "results"))
     p.add_argument("--figures", default=common.FIGURES)
     p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
@@ -137,6 +141,16 @@ def parse_args(argv=None):
     args.tag = args.tag or ("stability_quick" if args.quick else "stability")
     # Per tag, so a --quick run never wipes the default study's runs (which --replot reads).
     args.out_dir = args.out_dir or os.path.join(common.ROOT, "runs", args.tag)
+    if args.extend is not None and not args.replot:
+        branched = [a for a in args.arms if a in BRANCH_PARENT]
+        if branched:
+            p.error(f"--extend: {branched} branch mid-run from a parent's checkpoint; extend the parent alone")
+        for arm in args.arms:
+            for seed in args.seeds:
+                try:
+                    extension_source(args, arm, seed)
+                except ValueError as e:
+                    p.error(f"--extend: {e}")
     return args
 
 
@@ -157,6 +171,39 @@ def arm_config(args, arm: str, seed: int):
         c.learner.rules = c.sampler.rules
     c.run_dir = os.path.join(os.path.abspath(args.out_dir), arm, f"seed{seed}")
     return common.absolute_paths(c)
+
+
+# What a longer run of the same settings may change: its length and where it lives.
+EXTEND_FREE = ("run_dir", "train.steps", "train.ckpt_every")
+
+
+def extension_source(args, arm: str, seed: int) -> tuple[str, int]:
+    """(run folder, its last step) of the finished shorter run that `--extend` continues for (arm, seed); a
+    ValueError names what is missing or which settings differ from this run's."""
+    src = os.path.join(os.path.abspath(args.extend), arm, f"seed{seed}")
+    saved = os.path.join(src, "config.json")
+    if not os.path.exists(saved):
+        raise ValueError(f"{saved} does not exist (no finished {arm} seed {seed} run to extend)")
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    with open(saved) as f:
+        old = flat(json.load(f))
+    new = flat(json.loads(arm_config(args, arm, seed).to_json()))
+    differ = sorted(k for k in set(old) | set(new) if k not in EXTEND_FREE and old.get(k) != new.get(k))
+    if differ:
+        raise ValueError(f"{src} ran other settings: " + ", ".join(f"{k} {old.get(k)!r} (now {new.get(k)!r})"
+                                                                   for k in differ[:5]))
+    steps = int(old["train.steps"])
+    if not steps < args.steps:
+        raise ValueError(f"{src} ran {steps} steps; --steps {args.steps} does not extend it")
+    if not os.path.isdir(os.path.join(src, "checkpoints", str(steps))):
+        raise ValueError(f"{src} has no step-{steps} checkpoint to continue from")
+    return src, steps
 
 
 def eval_examples(c, n: int):
@@ -215,8 +262,14 @@ def run_one(args, arm: str, seed: int, log) -> dict:
     c = arm_config(args, arm, seed)
     common.share_warmup(c, args.warmup_seed)
     parent = BRANCH_PARENT.get(arm)
+    extended = None
     if parent is None:
         fresh_run_dir(c.run_dir)
+    if args.extend is not None:  # the shorter run's last checkpoint (and history) is where this one starts
+        src, src_steps = extension_source(args, arm, seed)
+        shutil.copytree(os.path.join(src, "checkpoints", str(src_steps)),
+                        os.path.join(c.run_dir, "checkpoints", str(src_steps)))
+        extended = {"run_dir": src, "steps": src_steps}
     with open(os.path.join(c.run_dir, "config.json"), "w") as f:
         f.write(c.to_json(indent=1))
     t0 = time.perf_counter()
@@ -234,6 +287,11 @@ def run_one(args, arm: str, seed: int, log) -> dict:
                 shutil.copytree(os.path.join(c.run_dir, "checkpoints"), os.path.join(dst, "checkpoints"),
                                 dirs_exist_ok=True)
         history = tr.run(resume=False)
+    elif extended is not None:
+        if not tr.restore() or tr.step != extended["steps"]:
+            raise RuntimeError(f"{arm}: the step-{extended['steps']} checkpoint copied from {extended['run_dir']} "
+                               f"did not restore")
+        history = tr.run(resume=False)
     else:
         history = tr.run(resume=False)
     train_s = time.perf_counter() - t0
@@ -243,13 +301,15 @@ def run_one(args, arm: str, seed: int, log) -> dict:
     ev = evaluate_model(tr.learner.model(), tr.tok, c, args)
     eval_s = time.perf_counter() - t1
     # Beside history.json, so a report rebuilt from the run folders (organism_sweep --replot) keeps every run's avg@n.
-    common.write_json(os.path.join(c.run_dir, "eval.json"), {"eval": ev, "train_s": train_s, "eval_s": eval_s})
+    common.write_json(os.path.join(c.run_dir, "eval.json"),
+                      {"eval": ev, "train_s": train_s, "eval_s": eval_s, "extended": extended})
     out = outcome(history, c.monitor.to_dict(), final_window(args))
     log(f"{arm} seed {seed}: {len(history)} steps in {train_s:.0f}s (+{eval_s:.0f}s eval); "
         f"reward {history[0]['reward/mean']:+.3f} -> {history[-1]['reward/mean']:+.3f}; "
         f"avg@{args.eval_n} {ev[f'avg@{args.eval_n}']:.3f}; collapsed {out['collapsed']} "
         f"(step {out['collapse_step']}), first alarm {out['first_alarm_step']}")
-    return {"history": history, "eval": ev, "train_s": train_s, "eval_s": eval_s, "run_dir": c.run_dir, **out}
+    return {"history": history, "eval": ev, "train_s": train_s, "eval_s": eval_s, "run_dir": c.run_dir,
+            "extended": extended, **out}
 
 
 def run_study(args, log=print) -> dict:

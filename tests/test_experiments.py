@@ -2,8 +2,10 @@
 --quick runs of both studies."""
 
 import ast
+import contextlib
 import dataclasses
 import glob
+import io
 import json
 import math
 import os
@@ -226,6 +228,64 @@ def test_stability_args():
                 ["--eval_n", "2", "--ks", "1,4"], ["--set", "novalue"], ["--smooth", "0"]):
         with pytest.raises(SystemExit):
             stability.parse_args(bad)
+
+
+def test_extend_accepts_only_a_shorter_run_of_the_same_settings(tmp_path):
+    """--extend checks every source run before any training: present, the same settings but for the length, fewer
+    steps, its last checkpoint on disk; each refusal names the problem."""
+    short = stability.parse_args(["--quick", "--arms", "bf16", "--seeds", "0", "--out_dir", str(tmp_path / "a")])
+    src = tmp_path / "a" / "bf16" / "seed0"
+    argv = ["--quick", "--arms", "bf16", "--seeds", "0", "--steps", "6", "--out_dir", str(tmp_path / "b"),
+            "--extend", str(tmp_path / "a")]
+
+    def refusal(argv):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            stability.parse_args(argv)
+        return err.getvalue()
+
+    def write(c):
+        os.makedirs(src, exist_ok=True)
+        (src / "config.json").write_text(c.to_json())
+
+    assert "config.json does not exist" in refusal(argv)
+    c = stability.arm_config(short, "bf16", 0)
+    c.optim.lr = 1e-3
+    write(c)
+    assert "optim.lr 0.001" in refusal(argv)
+    write(stability.arm_config(short, "bf16", 0))  # the quick preset's 4 steps
+    assert "no step-4 checkpoint" in refusal(argv)
+    os.makedirs(src / "checkpoints" / "4")
+    assert "does not extend it" in refusal(argv[:6] + ["4"] + argv[7:])
+    assert stability.extension_source(stability.parse_args(argv), "bf16", 0) == (str(src), 4)
+    assert "branch" in refusal(argv[:2] + ["nvfp4,tis_from_branch"] + argv[3:])
+
+
+@pytest.mark.slow  # three tiny runs of 2-3 steps
+def test_an_extended_run_is_the_longer_run(tmp_path):
+    """A 2-step run continued to 3 steps with --extend gives the 3-step run's numbers exactly: every step's
+    metrics and the final eval."""
+    base = ["--quick", "--arms", "nvfp4", "--seeds", "0", "--num_prompts", "2", "--group_size", "4",
+            "--eval_problems", "2", "--eval_n", "2", "--ks", "1,2", "--eval_reward", "dapo"]
+    for s in TINY_SET + [f"warmup.cache_dir={tmp_path / 'warm'}"]:
+        base += ["--set", s]
+    runs = {}
+    for name, extra in (("short", ["--steps", "2"]), ("extended", ["--steps", "3", "--extend", str(tmp_path / "short")]),
+                        ("fresh", ["--steps", "3"])):
+        args = stability.parse_args(base + extra + ["--out_dir", str(tmp_path / name)])
+        runs[name] = stability.run_one(args, "nvfp4", 0, log=lambda msg: None)
+    ext, fresh = runs["extended"], runs["fresh"]
+    assert ext["extended"] == {"run_dir": str(tmp_path / "short" / "nvfp4" / "seed0"), "steps": 2}
+    assert fresh["extended"] is None
+    def differ(h1, h2):  # (step, key) where two histories differ (NaN equals NaN; wall times are not numbers)
+        assert len(h1) == len(h2)
+        return [(i, k) for i, (a, b) in enumerate(zip(h1, h2)) for k in sorted(set(a) | set(b))
+                if not k.startswith("time/") and not (a.get(k) == b.get(k) or (math.isnan(a.get(k, 0.0))
+                                                                               and math.isnan(b.get(k, 0.0))))]
+
+    assert len(ext["history"]) == 3 and differ(ext["history"], fresh["history"]) == []
+    assert differ(ext["history"][:2], runs["short"]["history"]) == []
+    assert ext["eval"] == fresh["eval"]
 
 
 def test_arm_configs_differ_only_where_they_should(tmp_path):
