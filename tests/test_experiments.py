@@ -270,8 +270,8 @@ def test_an_extended_run_is_the_longer_run(tmp_path):
     for s in TINY_SET + [f"warmup.cache_dir={tmp_path / 'warm'}"]:
         base += ["--set", s]
     runs = {}
-    for name, extra in (("short", ["--steps", "2"]), ("extended", ["--steps", "3", "--extend", str(tmp_path / "short")]),
-                        ("fresh", ["--steps", "3"])):
+    for name, extra in (("short", ["--steps", "2"]), ("fresh", ["--steps", "3"]),
+                        ("extended", ["--steps", "3", "--extend", str(tmp_path / "short")])):
         args = stability.parse_args(base + extra + ["--out_dir", str(tmp_path / name)])
         runs[name] = stability.run_one(args, "nvfp4", 0, log=lambda msg: None)
     ext, fresh = runs["extended"], runs["fresh"]
