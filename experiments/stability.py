@@ -274,9 +274,13 @@ def run_one(args, arm: str, seed: int, log) -> dict:
         f.write(c.to_json(indent=1))
     t0 = time.perf_counter()
     tr = Trainer(c, progress=False)
-    if parent is not None:  # the parent left its step-branch_step checkpoint in this run_dir
-        if not tr.restore() or tr.step != args.branch_step:
-            raise RuntimeError(f"{arm}: no step-{args.branch_step} checkpoint from {parent} in {c.run_dir}")
+    # A branch starts from its parent's step-branch_step checkpoint, an extension from the shorter run's last one
+    # (--extend refuses branch arms, so at most one applies).
+    start = ((args.branch_step, f"from {parent}") if parent is not None else
+             (extended["steps"], f"copied from {extended['run_dir']}") if extended is not None else None)
+    if start is not None:
+        if not tr.restore() or tr.step != start[0]:
+            raise RuntimeError(f"{arm}: no usable step-{start[0]} checkpoint ({start[1]}) in {c.run_dir}")
         history = tr.run(resume=False)
     elif any(p == arm for p in BRANCH_PARENT.values()) and any(ch in args.arms for ch in BRANCH_PARENT):
         tr.run(resume=False, max_steps=args.branch_step)
@@ -286,11 +290,6 @@ def run_one(args, arm: str, seed: int, log) -> dict:
                 fresh_run_dir(dst)
                 shutil.copytree(os.path.join(c.run_dir, "checkpoints"), os.path.join(dst, "checkpoints"),
                                 dirs_exist_ok=True)
-        history = tr.run(resume=False)
-    elif extended is not None:
-        if not tr.restore() or tr.step != extended["steps"]:
-            raise RuntimeError(f"{arm}: the step-{extended['steps']} checkpoint copied from {extended['run_dir']} "
-                               f"did not restore")
         history = tr.run(resume=False)
     else:
         history = tr.run(resume=False)
