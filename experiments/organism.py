@@ -1,7 +1,7 @@
 """The TRIAGE study on the model organism's regime: every arm x seeds, TRIAGE's thresholds from a pilot run.
 
     python experiments/organism.py [--quick] [--cell lr5e-5] [--steps 40] [--seeds 0,1,2] [--jobs 2]
-        [--pilot_steps 10] [--thresholds FILE] [--results experiments/results] [--tag organism]
+        [--pilot_steps 10] [--thresholds FILE] [--extend DIR] [--results experiments/results] [--tag organism]
 
 1. Pilot: the NVFP4 arm without a correction, `--pilot_steps` steps at `--pilot_seed` (not a study seed), with
    train.save_deltas=1; `triage_jax.deltas.propose` reads TRIAGE's thresholds off its token deltas. They are
@@ -11,7 +11,8 @@
    branch, OPSM, the exact-mode control) x seeds, on one cell of experiments/organism_sweep.py (`--cell`), each
    run by the study's own `run_one`. `--jobs N` splits the runs over N worker processes, each pinned to one core
    (a branch runs in its parent's worker, right after it); on 2 cores, 2 workers do ~1.2x the steps per second of
-   one process on both cores.
+   one process on both cores. `--extend DIR --thresholds FILE` continues an earlier study's finished runs (its
+   --out_dir, same settings, TRIAGE's --k_rep included; not the branch arm) to --steps, as stability.py --extend.
 3. Outcome: per arm and seed, the collapse rule's verdict and onset (`rl.monitor.collapsed`), the first alarm of
    each level, the alarm's lead time before the collapse (null when either is missing), the final metrics and
    held-out avg@n / pass@k -> <results>/<tag>.json. The tables (<tag>.md) and the curves
@@ -71,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--figures", default=common.FIGURES)
     p.add_argument("--compile_cache", default=os.path.join(common.ROOT, "runs", "jax_cache"),
                    help="JAX persistent compilation cache folder ('' to disable)")
+    p.add_argument("--extend", default=None, metavar="DIR",
+                   help="continue an earlier study's finished shorter runs (its --out_dir; same settings and "
+                        "--thresholds) to --steps from their last checkpoint")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs under --out_dir that finished with the same config (an interrupted study)")
     p.add_argument("--replot", action="store_true", help="redraw the tables and figure from <tag>.json")
@@ -99,17 +103,20 @@ def parse_args(argv=None):
         args.k_rep = max(1, args.steps // 4)
     if args.thresholds is not None and not os.path.exists(args.thresholds):
         p.error(f"--thresholds: {args.thresholds} does not exist")
+    if args.extend is not None and args.thresholds is None:
+        p.error("--extend: give the extended study's --thresholds (a new pilot would change TRIAGE's settings)")
     stem = "organism" + (f"_stale{args.staleness}" if args.staleness else "")
     args.tag = args.tag or (f"{stem}_quick" if args.quick else stem)
     args.out_dir = args.out_dir or os.path.join(common.ROOT, "runs", args.tag)
-    stability_args(args, {})  # the study's own parser validates steps, seeds, arms, overrides
+    # The study's own parser validates steps, seeds, arms, overrides and (with the thresholds) each extension.
+    stability_args(args, load_thresholds(args.thresholds)["overrides"] if args.extend else {})
     return args
 
 
 def stability_argv(args, thresholds: dict[str, float]) -> list[str]:
     """The stability study's command line for this regime: the cell's overrides, TRIAGE's k_rep and thresholds."""
     ns = argparse.Namespace(config=args.config, arms=args.arms, steps=args.steps, seeds=args.seeds,
-                            eval_problems=args.eval_problems, eval_n=args.eval_n, out_dir=args.out_dir, extend=None,
+                            eval_problems=args.eval_problems, eval_n=args.eval_n, out_dir=args.out_dir, extend=args.extend,
                             overrides=[f"rl.staleness={args.staleness}"] + list(args.overrides)
                             + [f"rl.triage.k_rep={args.k_rep}"]
                             + [f"{k}={v!r}" for k, v in thresholds.items()])
@@ -397,7 +404,7 @@ def main(argv=None) -> int:
             run_tasks(sargs, tasks, log)
             return 0
         # The warm-up (trained once if absent) and its eval first: the pilot and every run start from it.
-        sargs = stability_args(args, {})
+        sargs = stability_args(args, load_thresholds(args.thresholds)["overrides"] if args.extend else {})
         c0 = stability.arm_config(sargs, sargs.arms[0], sargs.warmup_seed)
         model, tok, _, _ = common.warm_model(c0, progress=False)
         warmup_eval = stability.evaluate_model(model, tok, c0, sargs)

@@ -565,6 +565,33 @@ def test_organism_args_refuse_what_would_bias_the_study():
             organism.parse_args(bad)
 
 
+def test_organism_extend_checks_each_run_with_the_studys_thresholds(tmp_path):
+    """organism --extend needs the extended study's thresholds and checks every run with them applied: a source
+    run of another k_rep (the default follows --steps) is refused by name, the matching one accepted."""
+    th = tmp_path / "th.json"
+    th.write_text(json.dumps({"overrides": {"rl.triage.tau_tail": 0.05}}))
+    common_argv = ["--quick", "--arms", "nvfp4_triage", "--thresholds", str(th)]
+    short = organism.stability_args(organism.parse_args(common_argv + ["--out_dir", str(tmp_path / "a")]),
+                                    {"rl.triage.tau_tail": 0.05})
+    src = tmp_path / "a" / short.out_dir.split(os.sep)[-1] / "nvfp4_triage" / "seed0"
+    os.makedirs(src / "checkpoints" / "3")
+    (src / "config.json").write_text(stability.arm_config(short, "nvfp4_triage", 0).to_json())
+    argv = common_argv + ["--steps", "8", "--out_dir", str(tmp_path / "b"), "--extend", str(tmp_path / "a")]
+
+    def refusal(argv):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+            organism.parse_args(argv)
+        return err.getvalue()
+
+    assert "--thresholds" in refusal([x for x in argv if x not in ("--thresholds", str(th))])
+    assert "rl.triage.k_rep 1 (now 2)" in refusal(argv)  # steps 8 -> k_rep 2
+    args = organism.parse_args(argv + ["--k_rep", "1"])
+    sargs = organism.stability_args(args, {"rl.triage.tau_tail": 0.05})
+    assert sargs.extend.endswith(os.path.join("a", short.out_dir.split(os.sep)[-1]))
+    assert stability.extension_source(sargs, "nvfp4_triage", 0) == (str(src), 3)
+
+
 def test_organism_plan_balances_workers_and_keeps_branches_with_parents():
     arms = list(stability.ARMS)
     bins = organism.plan(arms, [0, 1, 2], 2)
