@@ -30,7 +30,8 @@ average would count this benchmark's own threads); a loaded start or section fla
    1024 tokens: ms per decode step = (t(1 + 64 tokens) - t(1 token)) / 64.
 4. **matmul-only ceiling** - batch 32: the model's per-token matmuls alone (q, k, v, o, gate, up, down of every
    layer and the LM head, with one RMS normalization per step to keep values bounded), 128 steps in one jitted
-   fori_loop, interleaved with the engine's decode tokens/s at batch 32 (measured as in 1, on other prompts).
+   fori_loop, interleaved with the engine's and HF's decode tokens/s at batch 32 (measured as in 1, on other
+   prompts): what fraction of the matmul time each adds, and so what a speedup over HF asks of the engine.
 
 Prints the load first, a table and one JSON line (`"bench": "sampler"`).
 """
@@ -243,9 +244,10 @@ def bench_positions(model, repeats, rng, vocab, steps=64, budget=2048, b=8):
 
 # ------------------------------------------------------------------------------------------ 4. matmul ceiling
 
-def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32):
+def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32, hf_model=None):
     """Tokens/s and GFLOP/s of the per-token matmuls alone (float32), `steps` tokens in one jitted loop; with a
-    model, also the engine's decode tokens/s at this batch (steps and 1 new token), interleaved with the loop."""
+    model, also the engine's decode tokens/s at this batch (steps and 1 new token), and with an HF model HF's,
+    interleaved with the loop (None where not measured)."""
     d, i_, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, kvh, hd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
     del hd
@@ -276,9 +278,12 @@ def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32):
         prompts = [np.random.default_rng(1).integers(2, v, prompt_len).tolist() for _ in range(batch)]
         config = engine_config(batch, prompt_len, steps)
         fns += [engine_call(model, prompts, SamplingConfig(max_new_tokens=n), config)[0] for n in (steps, 1)]
+        if hf_model is not None:
+            fns += [hf_call(hf_model, prompts, n) for n in (steps, 1)]
     times, _ = interleaved(fns, repeats)
     engine = batch * (steps - 1) / max(times[1] - times[2], 1e-9) if model is not None else None
-    return batch * steps / times[0], flops * steps / times[0] / 1e9, engine
+    hf = batch * (steps - 1) / max(times[3] - times[4], 1e-9) if model is not None and hf_model is not None else None
+    return batch * steps / times[0], flops * steps / times[0] / 1e9, engine, hf
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -344,9 +349,11 @@ def main(argv=None):
 
     section("ceiling")
     cb = 32 if 32 in batches else max(batches)
-    ceil_tok_s, gflops, eng_dec = matmul_ceiling(cfg_model, cb, args.new_tokens, args.repeats, model, args.prompt_len)
+    ceil_tok_s, gflops, eng_dec, hf_dec = matmul_ceiling(cfg_model, cb, args.new_tokens, args.repeats, model,
+                                                         args.prompt_len, hf_model)
     ceiling = {"batch": cb, "matmul_tok_s": ceil_tok_s, "matmul_gflop_s": gflops, "engine_decode_tok_s": eng_dec,
-               "fraction": eng_dec / ceil_tok_s}
+               "fraction": eng_dec / ceil_tok_s, "hf_decode_tok_s": hf_dec,
+               "hf_fraction": None if hf_dec is None else hf_dec / ceil_tok_s}
     section(None)
 
     under = any(x.under_load for x in loads.values())
@@ -375,7 +382,9 @@ def main(argv=None):
           f"{pos['capacity_at_64']}), {pos['ms_per_token_at_1024']:.2f} ms at 1024 (capacity {pos['capacity_at_1024']})"
           f"; ratio {pos['ms_per_token_at_64'] / max(pos['ms_per_token_at_1024'], 1e-9):.2f}")
     print(f"4. matmul-only ceiling, batch {cb}: {ceil_tok_s:.0f} tok/s ({gflops:.0f} GFLOP/s); engine decode "
-          f"{eng_dec:.0f} tok/s = {100 * ceiling['fraction']:.0f}% of it")
+          f"{eng_dec:.0f} tok/s = {100 * ceiling['fraction']:.0f}% of it"
+          + ("" if hf_dec is None else f"; HF decode {hf_dec:.0f} tok/s = {100 * ceiling['hf_fraction']:.0f}% of it "
+             f"(2x HF needs the engine at {200 * ceiling['hf_fraction']:.0f}%)"))
     met = {
         "hf_2x_at_every_batch": None if hf_model is None else all(r["speedup"] >= TARGETS["hf_speedup"] for r in rows),
         "greedy_identical_to_hf": agree,

@@ -32,8 +32,8 @@ def test_countdown_model_stops_exactly_at_drawn_lengths():
 
 
 def test_matmul_ceiling_runs():
-    tok_s, gflops, _ = bs.matmul_ceiling(bs.models.get_model_config("tiny", num_hidden_layers=1), 4, 4, 1)
-    assert tok_s > 0 and gflops > 0
+    tok_s, gflops, engine, hf = bs.matmul_ceiling(bs.models.get_model_config("tiny", num_hidden_layers=1), 4, 4, 1)
+    assert tok_s > 0 and gflops > 0 and engine is None and hf is None
 
 
 def test_tunix_id_tokenizer_round_trips():
