@@ -109,7 +109,7 @@ def parse_args(argv=None):
     args.tag = args.tag or (f"{stem}_quick" if args.quick else stem)
     args.out_dir = args.out_dir or os.path.join(common.ROOT, "runs", args.tag)
     # The study's own parser validates steps, seeds, arms, overrides and (with the thresholds) each extension.
-    stability_args(args, load_thresholds(args.thresholds)["overrides"] if args.extend else {})
+    stability_args(args, extension_overrides(args))
     return args
 
 
@@ -122,6 +122,11 @@ def stability_argv(args, thresholds: dict[str, float]) -> list[str]:
                             + [f"{k}={v!r}" for k, v in thresholds.items()])
     ks = "1" if args.eval_n == 1 else f"1,{args.eval_n}"
     return organism_sweep.study_argv(ns, args.cell) + ["--ks", ks]
+
+
+def extension_overrides(args) -> dict:
+    """The thresholds an --extend run is checked with (the extended study's); none otherwise."""
+    return load_thresholds(args.thresholds)["overrides"] if args.extend else {}
 
 
 def stability_args(args, thresholds: dict[str, float]):
@@ -404,7 +409,7 @@ def main(argv=None) -> int:
             run_tasks(sargs, tasks, log)
             return 0
         # The warm-up (trained once if absent) and its eval first: the pilot and every run start from it.
-        sargs = stability_args(args, load_thresholds(args.thresholds)["overrides"] if args.extend else {})
+        sargs = stability_args(args, extension_overrides(args))
         c0 = stability.arm_config(sargs, sargs.arms[0], sargs.warmup_seed)
         model, tok, _, _ = common.warm_model(c0, progress=False)
         warmup_eval = stability.evaluate_model(model, tok, c0, sargs)
