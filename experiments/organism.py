@@ -12,7 +12,8 @@
    run by the study's own `run_one`. `--jobs N` splits the runs over N worker processes, each pinned to one core
    (a branch runs in its parent's worker, right after it); on 2 cores, 2 workers do ~1.2x the steps per second of
    one process on both cores. `--extend DIR --thresholds FILE` continues an earlier study's finished runs (its
-   --out_dir, same settings, TRIAGE's --k_rep included; not the branch arm) to --steps, as stability.py --extend.
+   --out_dir, same settings, TRIAGE's --k_rep included) to --steps, as stability.py --extend; a branch arm is
+   continued from its own last checkpoint, without its parent, and needs the extended study's --branch_step.
 3. Outcome: per arm and seed, the collapse rule's verdict and onset (`rl.monitor.collapsed`), the first alarm of
    each level, the alarm's lead time before the collapse (null when either is missing), the final metrics and
    held-out avg@n / pass@k -> <results>/<tag>.json. The tables (<tag>.md) and the curves
@@ -59,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--staleness", type=int, default=0,
                    help="rl.staleness of every run (0: synchronous; s: step k trains on step k-s's rollout)")
     p.add_argument("--k_rep", type=int, default=None, help="TRIAGE's repair starts at this update (default steps/4)")
+    p.add_argument("--branch_step", type=int, default=None,
+                   help="where tis_from_branch leaves nvfp4 (default steps/2; with --extend, the extended study's)")
     p.add_argument("--pilot_steps", type=int, default=None, help="steps of the pilot run")
     p.add_argument("--pilot_seed", type=int, default=100, help="the pilot's RL seed (keep it out of --seeds)")
     p.add_argument("--thresholds", default=None, help="an earlier pilot's <tag>_thresholds.json (skips the pilot)")
@@ -121,7 +124,8 @@ def stability_argv(args, thresholds: dict[str, float]) -> list[str]:
                             + [f"rl.triage.k_rep={args.k_rep}"]
                             + [f"{k}={v!r}" for k, v in thresholds.items()])
     ks = "1" if args.eval_n == 1 else f"1,{args.eval_n}"
-    return organism_sweep.study_argv(ns, args.cell) + ["--ks", ks]
+    branch = [] if args.branch_step is None else ["--branch_step", str(args.branch_step)]
+    return organism_sweep.study_argv(ns, args.cell) + ["--ks", ks] + branch
 
 
 def extension_overrides(args) -> dict:
@@ -170,13 +174,13 @@ def run_pilot(args, log) -> dict:
 
 def plan(arms: list[str], seeds: list[int], jobs: int, done=frozenset()) -> list[list[tuple[str, int]]]:
     """The (arm, seed) runs split over `jobs` workers, longest first onto the least loaded (a branch travels with
-    its parent, right after it); each worker's list in seed order, parents before branches. A parent and its
-    branches are left out only when all of them are in `done`."""
+    its parent, right after it, when both are listed); each worker's list in seed order, parents before branches.
+    A parent and its branches are left out only when all of them are in `done`."""
     units = []
     for seed in seeds:
         for arm in arms:
-            if arm in stability.BRANCH_PARENT:
-                continue
+            if stability.BRANCH_PARENT.get(arm) in arms:
+                continue  # travels with its parent (a branch alone: an --extend of its own run)
             members = [arm] + [ch for ch, par in stability.BRANCH_PARENT.items() if par == arm and ch in arms]
             if all((a, seed) in done for a in members):
                 continue

@@ -117,14 +117,15 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
     for child, parent in BRANCH_PARENT.items():
-        if child in args.arms and parent not in args.arms:
+        if child in args.arms and parent not in args.arms and args.extend is None:
             p.error(f"--arms: {child} branches from {parent}'s checkpoint; include {parent}")
     if not args.seeds:
         p.error("--seeds is empty")
     for name in ("steps", "num_prompts", "group_size", "eval_problems", "eval_n"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.branch_step is None:
+    branch_given = args.branch_step is not None
+    if not branch_given:
         args.branch_step = max(1, args.steps // 2)
     if not 0 < args.branch_step < args.steps:
         p.error(f"--branch_step must be in [1, steps={args.steps}), got {args.branch_step}")
@@ -142,9 +143,10 @@ def parse_args(argv=None):
     # Per tag, so a --quick run never wipes the default study's runs (which --replot reads).
     args.out_dir = args.out_dir or os.path.join(common.ROOT, "runs", args.tag)
     if args.extend is not None and not args.replot:
+        # An extended branch continues its own run; its branch point is the extended study's, not steps/2.
         branched = [a for a in args.arms if a in BRANCH_PARENT]
-        if branched:
-            p.error(f"--extend: {branched} branch mid-run from a parent's checkpoint; extend the parent alone")
+        if branched and not branch_given:
+            p.error(f"--extend: {branched} left their parent at the extended study's --branch_step; give it")
         for arm in args.arms:
             for seed in args.seeds:
                 try:
@@ -203,6 +205,10 @@ def extension_source(args, arm: str, seed: int) -> tuple[str, int]:
         raise ValueError(f"{src} ran {steps} steps; --steps {args.steps} does not extend it")
     if not os.path.isdir(os.path.join(src, "checkpoints", str(steps))):
         raise ValueError(f"{src} has no step-{steps} checkpoint to continue from")
+    # A branch run holds its parent's checkpoint from where it left it (run_one copies it in).
+    if arm in BRANCH_PARENT and not os.path.isdir(os.path.join(src, "checkpoints", str(args.branch_step))):
+        raise ValueError(f"{src} did not branch at --branch_step {args.branch_step} (no step-{args.branch_step} "
+                         f"checkpoint of {BRANCH_PARENT[arm]})")
     return src, steps
 
 
@@ -263,7 +269,7 @@ def run_one(args, arm: str, seed: int, log) -> dict:
     common.share_warmup(c, args.warmup_seed)
     parent = BRANCH_PARENT.get(arm)
     extended = None
-    if parent is None:
+    if parent is None or args.extend is not None:
         fresh_run_dir(c.run_dir)
     if args.extend is not None:  # the shorter run's last checkpoint (and history) is where this one starts
         src, src_steps = extension_source(args, arm, seed)
@@ -274,10 +280,10 @@ def run_one(args, arm: str, seed: int, log) -> dict:
         f.write(c.to_json(indent=1))
     t0 = time.perf_counter()
     tr = Trainer(c, progress=False)
-    # A branch starts from its parent's step-branch_step checkpoint, an extension from the shorter run's last one
-    # (--extend refuses branch arms, so at most one applies).
-    start = ((args.branch_step, f"from {parent}") if parent is not None else
-             (extended["steps"], f"copied from {extended['run_dir']}") if extended is not None else None)
+    # An extension starts from the shorter run's last checkpoint (a branch's included), a branch from its parent's
+    # step-branch_step one.
+    start = ((extended["steps"], f"copied from {extended['run_dir']}") if extended is not None else
+             (args.branch_step, f"from {parent}") if parent is not None else None)
     if start is not None:
         if not tr.restore() or tr.step != start[0]:
             raise RuntimeError(f"{arm}: no usable step-{start[0]} checkpoint ({start[1]}) in {c.run_dir}")

@@ -258,7 +258,16 @@ def test_extend_accepts_only_a_shorter_run_of_the_same_settings(tmp_path):
     os.makedirs(src / "checkpoints" / "4")
     assert "does not extend it" in refusal(argv[:6] + ["4"] + argv[7:])
     assert stability.extension_source(stability.parse_args(argv), "bf16", 0) == (str(src), 4)
-    assert "branch" in refusal(argv[:2] + ["nvfp4,tis_from_branch"] + argv[3:])
+    # A branch is extended alone, from its own run, at the extended study's branch point (given, and checked).
+    branch = tmp_path / "a" / "tis_from_branch" / "seed0"
+    os.makedirs(branch / "checkpoints" / "4")
+    (branch / "config.json").write_text(stability.arm_config(short, "tis_from_branch", 0).to_json())
+    bargv = argv[:2] + ["tis_from_branch"] + argv[3:]
+    assert "--branch_step" in refusal(bargv)  # the default (steps/2 = 3) is not where it branched
+    assert "did not branch at --branch_step 2" in refusal(bargv + ["--branch_step", "2"])
+    os.makedirs(branch / "checkpoints" / "2")
+    assert stability.extension_source(stability.parse_args(bargv + ["--branch_step", "2"]), "tis_from_branch",
+                                      0) == (str(branch), 4)
 
 
 @pytest.mark.slow  # three tiny runs of 2-3 steps
@@ -286,6 +295,19 @@ def test_an_extended_run_is_the_longer_run(tmp_path):
     assert len(ext["history"]) == 3 and differ(ext["history"], fresh["history"]) == []
     assert differ(ext["history"][:2], runs["short"]["history"]) == []
     assert ext["eval"] == fresh["eval"]
+
+    # The branch arm: a 3-step branch (leaving nvfp4 at step 1) equals the 2-step one's run extended alone.
+    branch = {}
+    for name, extra in (("bshort", ["--steps", "2"]), ("bfresh", ["--steps", "3"])):
+        args = stability.parse_args(base[:2] + ["nvfp4,tis_from_branch"] + base[3:] + extra
+                                    + ["--branch_step", "1", "--out_dir", str(tmp_path / name)])
+        stability.run_one(args, "nvfp4", 0, log=lambda msg: None)
+        branch[name] = stability.run_one(args, "tis_from_branch", 0, log=lambda msg: None)
+    args = stability.parse_args(base[:2] + ["tis_from_branch"] + base[3:] + [
+        "--steps", "3", "--branch_step", "1", "--out_dir", str(tmp_path / "bext"), "--extend", str(tmp_path / "bshort")])
+    bext = stability.run_one(args, "tis_from_branch", 0, log=lambda msg: None)
+    assert bext["extended"]["steps"] == 2 and len(bext["history"]) == 3
+    assert differ(bext["history"], branch["bfresh"]["history"]) == [] and bext["eval"] == branch["bfresh"]["eval"]
 
 
 def test_arm_configs_differ_only_where_they_should(tmp_path):
@@ -606,6 +628,9 @@ def test_organism_plan_balances_workers_and_keeps_branches_with_parents():
     assert max(loads) - min(loads) <= 1.0  # within one run of each other
     one = ["bf16", "nvfp4", "tis_from_branch", "nvfp4_tis", "nvfp4_triage", "triage_no_repair", "opsm", "exact"]
     assert organism.plan(arms, [0], 1) == [[(a, 0) for a in one]]
+    # A branch without its parent (an --extend of the branch's own runs) is planned on its own.
+    assert sorted(t for b in organism.plan(["tis_from_branch"], [0, 1], 2) for t in b) == [
+        ("tis_from_branch", 0), ("tis_from_branch", 1)]
 
 
 def test_organism_lead_time_and_alarm_summary():
