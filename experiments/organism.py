@@ -2,6 +2,7 @@
 
     python experiments/organism.py [--quick] [--cell lr5e-5] [--steps 40] [--seeds 0,1,2] [--jobs 2]
         [--pilot_steps 10] [--thresholds FILE] [--extend DIR] [--results experiments/results] [--tag organism]
+    python experiments/organism.py --combine TAG,TAG[,...] --tag NEW
 
 1. Pilot: the NVFP4 arm without a correction, `--pilot_steps` steps at `--pilot_seed` (not a study seed), with
    train.save_deltas=1; `triage_jax.deltas.propose` reads TRIAGE's thresholds off its token deltas. They are
@@ -14,6 +15,8 @@
    one process on both cores. `--extend DIR --thresholds FILE` continues an earlier study's finished runs (its
    --out_dir, same settings, TRIAGE's --k_rep included) to --steps, as stability.py --extend; a branch arm is
    continued from its own last checkpoint, without its parent, and needs the extended study's --branch_step.
+   `--combine TAG,TAG --tag NEW` merges earlier invocations of one regime (more seeds, an arm extended later) into
+   one results file, tables and figure, without training.
 3. Outcome: per arm and seed, the collapse rule's verdict and onset (`rl.monitor.collapsed`), the first alarm of
    each level, the alarm's lead time before the collapse (null when either is missing), the final metrics and
    held-out avg@n / pass@k -> <results>/<tag>.json. The tables (<tag>.md) and the curves
@@ -82,6 +85,9 @@ def parse_args(argv=None):
                    help="keep the runs under --out_dir that finished with the same config (an interrupted study)")
     p.add_argument("--replot", action="store_true", help="redraw the tables and figure from <tag>.json")
     p.add_argument("--tag", default=None, help="file name stem of the outputs (default organism[_quick])")
+    p.add_argument("--combine", default=None, metavar="TAG,TAG,...",
+                   help="merge earlier invocations' <results>/<TAG>.json of one regime (other seeds or arms) into "
+                        "--tag's results, tables and figure, without training")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "arm:seed,..." (a worker process)
     p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)  # the worker's core
     args = p.parse_args(argv)
@@ -89,6 +95,13 @@ def parse_args(argv=None):
     for k, v in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, min(v, cores) if k == "jobs" else v)
+    if args.combine is not None:
+        args.combine = [t for t in args.combine.split(",") if t]
+        if len(set(args.combine)) != len(args.combine) or len(args.combine) < 2:
+            p.error(f"--combine: give two or more different result tags, got {args.combine}")
+        if args.tag is None or args.tag in args.combine:
+            p.error("--combine: give a new --tag for the merged results")
+        return args
     if args.cell not in organism_sweep.CELLS:
         p.error(f"--cell: unknown {args.cell!r}; choose from {list(organism_sweep.CELLS)}")
     seeds = [int(s) for s in str(args.seeds).split(",") if s]
@@ -310,6 +323,51 @@ def build_results(args, sargs, runs: dict, thresholds: dict, warmup_eval: dict |
             "warmup_eval": warmup_eval, "total_s": total_s, "alarms": alarm_summary(runs), "arms": arms}
 
 
+def combine(parts: dict[str, dict], tag: str) -> dict:
+    """One results record over several invocations of one regime (a study grown in parts: more seeds, the branch
+    arm extended later): their runs side by side, the alarm summary over all of them, total_s their sum. A
+    ValueError names a part of another regime (thresholds included) or a run present twice."""
+    (tag0, first), regime = next(iter(parts.items())), None
+
+    def key(res):  # what must agree; branch_step only matters where the branch arm ran
+        a = res["args"]
+        return ({k: v for k, v in res["regime"].items() if k != "branch_step"}, res["thresholds"]["overrides"],
+                a["config"], a["eval_problems"], a["eval_n"], a["overrides"], res["warmup_eval"])
+
+    arms, branch = {}, {}
+    for part, res in parts.items():
+        if key(res) != key(first):
+            raise ValueError(f"--combine: {part} ran another regime or thresholds than {tag0}")
+        for arm, per in res["arms"].items():
+            for seed, rec in per.items():
+                if seed in arms.get(arm, {}):
+                    raise ValueError(f"--combine: {arm} seed {seed} is in more than one of {list(parts)}")
+                arms.setdefault(arm, {})[seed] = rec
+        if "tis_from_branch" in res["arms"]:
+            branch[part] = res["regime"]["branch_step"]
+    if len(set(branch.values())) > 1:
+        raise ValueError(f"--combine: tis_from_branch left nvfp4 at different steps: {branch}")
+    order = {a: i for i, a in enumerate(stability.ARMS)}
+    arms = {a: dict(sorted(arms[a].items(), key=lambda kv: int(kv[0]))) for a in sorted(arms, key=order.get)}
+    regime = {**first["regime"], "branch_step": next(iter(branch.values()), first["regime"]["branch_step"])}
+    seeds = sorted({int(s) for per in arms.values() for s in per})
+    return {**first, "args": {**first["args"], "arms": ",".join(arms), "seeds": ",".join(map(str, seeds)),
+                              "tag": tag, "combined": list(parts)},
+            "regime": regime, "total_s": sum(r["total_s"] for r in parts.values()),
+            "alarms": alarm_summary(arms), "arms": arms}
+
+
+def combined_args(args, res: dict):
+    """The study's settings of a combined record (its regime, every arm and seed), for the report and figure."""
+    a, reg = res["args"], res["regime"]
+    ns = argparse.Namespace(**{**vars(args), "config": a["config"], "cell": reg["cell"], "arms": a["arms"],
+                               "steps": reg["steps"], "seeds": a["seeds"], "staleness": reg["staleness"],
+                               "k_rep": reg["k_rep"], "eval_problems": a["eval_problems"], "eval_n": a["eval_n"],
+                               "overrides": a["overrides"], "out_dir": a["out_dir"], "extend": None,
+                               "branch_step": reg["branch_step"]})
+    return stability_args(ns, res["thresholds"]["overrides"])
+
+
 def report(res: dict, sargs) -> str:
     """The markdown: thresholds, the per-arm results and drift tables (stability's), the alarm table."""
     runs = {arm: {int(s): {**r, "history": common.read_history(r["run_dir"])} for s, r in per.items()}
@@ -400,6 +458,14 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{tag} {time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
 
+    if args.combine:
+        parts = {}
+        for t in args.combine:
+            with open(os.path.join(args.results, f"{t}.json")) as f:
+                parts[t] = json.load(f)
+        res = combine(parts, args.tag)
+        print(write_outputs(args, combined_args(args, res), res, log))
+        return 0
     if args.replot:
         with open(os.path.join(args.results, f"{args.tag}.json")) as f:
             res = json.load(f)

@@ -649,6 +649,38 @@ def test_organism_lead_time_and_alarm_summary():
             n["not_collapsed"]) == (1, 2, 1, [18], 1, 1)
 
 
+def test_organism_combine_merges_parts_of_one_regime():
+    """--combine: the runs of several invocations side by side and the alarm summary over all of them; a part of
+    another regime (thresholds included), a run present twice or two branch points are refused by name."""
+    def run(collapsed, first):
+        return {"collapsed": collapsed, "collapse_step": 30 if collapsed else None, "first_alarm_step": first,
+                "first_alarms": {"level1": {"any": first}, "level2": {"any": None}}}
+
+    def part(arms, total_s=60.0, branch_step=50, tau=0.1):
+        return {"args": {"config": "organism", "eval_problems": 32, "eval_n": 4, "overrides": [], "tag": "x",
+                         "seeds": "?", "arms": "?"},
+                "regime": {"cell": "small_lr5e-5", "steps": 100, "k_rep": 10, "staleness": 0,
+                           "branch_step": branch_step},
+                "thresholds": {"overrides": {"rl.triage.tau_tail": tau}}, "warmup_eval": {"avg@4": 0.5},
+                "total_s": total_s, "arms": arms}
+
+    a = part({"nvfp4": {"0": run(True, 7), "1": run(False, 9)}, "bf16": {"0": run(False, None)}})
+    b = part({"nvfp4": {"3": run(True, 4)}, "tis_from_branch": {"3": run(False, 5)}}, total_s=30.0, branch_step=20)
+    res = organism.combine({"a": a, "b": b}, "ab")
+    assert list(res["arms"]) == ["bf16", "nvfp4", "tis_from_branch"]  # the study's arm order
+    assert list(res["arms"]["nvfp4"]) == ["0", "1", "3"] and res["args"]["seeds"] == "0,1,3"
+    assert res["args"]["tag"] == "ab" and res["total_s"] == 90.0
+    assert res["regime"]["branch_step"] == 20  # the branch arm's own part says where it branched
+    n = res["alarms"]["per_arm"]["nvfp4"]
+    assert (n["runs"], n["collapsed"], n["lead_times"], n["false_alarms"]) == (3, 2, [23, 26], 1)
+    with pytest.raises(ValueError, match="c ran another regime or thresholds than a"):
+        organism.combine({"a": a, "c": part({"opsm": {"0": run(False, None)}}, tau=0.2)}, "ac")
+    with pytest.raises(ValueError, match="nvfp4 seed 1 is in more than one"):
+        organism.combine({"a": a, "d": part({"nvfp4": {"1": run(False, None)}})}, "ad")
+    with pytest.raises(ValueError, match="different steps"):
+        organism.combine({"b": b, "e": part({"tis_from_branch": {"4": run(False, None)}})}, "be")
+
+
 @pytest.mark.slow  # 170 s on 2 busy cores (pytest -n 2)
 def test_organism_quick_two_workers_writes_the_results(tmp_path):
     """Pilot -> thresholds file -> two pinned workers -> organism.json / .md / figure, the thresholds reaching the
@@ -682,6 +714,15 @@ def test_organism_quick_two_workers_writes_the_results(tmp_path):
     assert (tmp_path / "fig" / "organism_quick.png").stat().st_size > 1000
     assert organism.main(argv + ["--replot"]) == 0
     assert (tmp_path / "res" / "organism_quick.md").read_text() == md
+    # --combine: a second part (here the same runs under seed 1) merges into one table and figure.
+    part = {**res, "arms": {arm: {"1": per["0"]} for arm, per in res["arms"].items()}}
+    common.write_json(str(tmp_path / "res" / "part_b.json"), part)
+    assert organism.main(["--combine", "organism_quick,part_b", "--tag", "both", "--results", str(tmp_path / "res"),
+                          "--figures", str(tmp_path / "fig")]) == 0
+    both = json.load(open(tmp_path / "res" / "both.json"))
+    assert all(sorted(per) == ["0", "1"] for per in both["arms"].values())
+    assert "seeds [0, 1]" in (tmp_path / "res" / "both.md").read_text()
+    assert (tmp_path / "fig" / "both.png").stat().st_size > 1000
     # --resume keeps every finished run (same config) and the pilot's thresholds: nothing retrains.
     stamps = {arm: os.path.getmtime(os.path.join(per["0"]["run_dir"], "history.json"))
               for arm, per in res["arms"].items()}
