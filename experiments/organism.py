@@ -327,7 +327,7 @@ def combine(parts: dict[str, dict], tag: str) -> dict:
     """One results record over several invocations of one regime (a study grown in parts: more seeds, the branch
     arm extended later): their runs side by side, the alarm summary over all of them, total_s their sum. A
     ValueError names a part of another regime (thresholds included) or a run present twice."""
-    (tag0, first), regime = next(iter(parts.items())), None
+    tag0, first = next(iter(parts.items()))
 
     def key(res):  # what must agree; branch_step only matters where the branch arm ran
         a = res["args"]
@@ -461,9 +461,15 @@ def main(argv=None) -> int:
     if args.combine:
         parts = {}
         for t in args.combine:
-            with open(os.path.join(args.results, f"{t}.json")) as f:
+            path = os.path.join(args.results, f"{t}.json")
+            if not os.path.exists(path):
+                sys.exit(f"organism.py: --combine: {path} does not exist")
+            with open(path) as f:
                 parts[t] = json.load(f)
-        res = combine(parts, args.tag)
+        try:
+            res = combine(parts, args.tag)
+        except ValueError as e:
+            sys.exit(f"organism.py: {e}")
         print(write_outputs(args, combined_args(args, res), res, log))
         return 0
     if args.replot:
