@@ -146,8 +146,9 @@ def extension_overrides(args) -> dict:
     return load_thresholds(args.thresholds)["overrides"] if args.extend else {}
 
 
-def stability_args(args, thresholds: dict[str, float]):
-    return stability.parse_args(stability_argv(args, thresholds))
+def stability_args(args, thresholds: dict[str, float], redraw: bool = False):
+    """The stability study's parsed settings; `redraw` (a report from saved runs) skips the --extend source checks."""
+    return stability.parse_args(stability_argv(args, thresholds) + (["--replot"] if redraw else []))
 
 
 # ------------------------------------------------------------------------------------------------ the pilot
@@ -357,15 +358,16 @@ def combine(parts: dict[str, dict], tag: str) -> dict:
             "alarms": alarm_summary(arms), "arms": arms}
 
 
-def combined_args(args, res: dict):
-    """The study's settings of a combined record (its regime, every arm and seed), for the report and figure."""
+def record_args(args, res: dict):
+    """The study's settings as a results record holds them (its regime, arms and seeds), for redrawing its report
+    and figure (--replot, --combine) whatever the command line says."""
     a, reg = res["args"], res["regime"]
     ns = argparse.Namespace(**{**vars(args), "config": a["config"], "cell": reg["cell"], "arms": a["arms"],
                                "steps": reg["steps"], "seeds": a["seeds"], "staleness": reg["staleness"],
                                "k_rep": reg["k_rep"], "eval_problems": a["eval_problems"], "eval_n": a["eval_n"],
-                               "overrides": a["overrides"], "out_dir": a["out_dir"], "extend": None,
+                               "overrides": a["overrides"], "out_dir": a["out_dir"], "extend": a.get("extend"),
                                "branch_step": reg["branch_step"]})
-    return stability_args(ns, res["thresholds"]["overrides"])
+    return stability_args(ns, res["thresholds"]["overrides"], redraw=True)
 
 
 def report(res: dict, sargs) -> str:
@@ -398,8 +400,9 @@ def report(res: dict, sargs) -> str:
     rate = al["control_false_alarm_rate"]
     return (f"## {res['args']['tag']}: the TRIAGE study on the organism, cell `{reg['cell']}` ({reg['description']}), "
             f"{reg['steps']} steps, seeds {sargs.seeds}, batch {reg['batch']}, {res['total_s'] / 60:.1f} min\n\n"
-            f"TRIAGE thresholds {pilot_line}, fixed before the study; the repair starts at update {reg['k_rep']}; "
-            f"tis_from_branch leaves nvfp4 at step {reg['branch_step']}. Warm-up policy: avg@{n} "
+            f"TRIAGE thresholds {pilot_line}, fixed before the study; the repair starts at update {reg['k_rep']}. "
+            + (f"tis_from_branch leaves nvfp4 at step {reg['branch_step']}. " if "tis_from_branch" in runs else "")
+            + f"Warm-up policy: avg@{n} "
             f"{common.fmt(base.get(f'avg@{n}', math.nan), 3)}.\n\n"
             + common.markdown_table(["threshold", "default", "proposed"], th_rows) + "\n\n"
             f"Final values: the last {res['final_window']} steps of each run, mean +- std over seeds; avg@{n} / "
@@ -470,13 +473,12 @@ def main(argv=None) -> int:
             res = combine(parts, args.tag)
         except ValueError as e:
             sys.exit(f"organism.py: {e}")
-        print(write_outputs(args, combined_args(args, res), res, log))
+        print(write_outputs(args, record_args(args, res), res, log))
         return 0
     if args.replot:
         with open(os.path.join(args.results, f"{args.tag}.json")) as f:
             res = json.load(f)
-        sargs = stability_args(args, res["thresholds"]["overrides"])
-        print(write_outputs(args, sargs, res, log))
+        print(write_outputs(args, record_args(args, res), res, log))
         return 0
     with common.compile_cache(args.compile_cache):
         if args.worker:

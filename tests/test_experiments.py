@@ -681,6 +681,19 @@ def test_organism_combine_merges_parts_of_one_regime():
         organism.combine({"b": b, "e": part({"tis_from_branch": {"4": run(False, None)}})}, "be")
 
 
+def test_organism_replot_draws_the_record_not_the_command_line():
+    """--replot / --combine redraw a study with the arms, seeds and branch point its record holds (here a branch arm
+    extended alone, seeds 3-5), not the command line's defaults, and without checking the long-gone --extend source."""
+    res = {"args": {"config": "organism", "arms": "tis_from_branch", "seeds": "3,4,5", "eval_problems": 16,
+                    "eval_n": 2, "overrides": [], "out_dir": "runs/nowhere", "extend": "runs/also_nowhere"},
+           "regime": {"cell": "small_lr5e-5", "steps": 100, "k_rep": 10, "staleness": 0, "branch_step": 20},
+           "thresholds": {"overrides": {"rl.triage.tau_tail": 0.125}}}
+    sargs = organism.record_args(organism.parse_args(["--replot", "--tag", "organism_small_s345"]), res)
+    assert (sargs.arms, sargs.seeds, sargs.steps, sargs.branch_step) == (["tis_from_branch"], [3, 4, 5], 100, 20)
+    assert (sargs.eval_problems, sargs.eval_n) == (16, 2)
+    assert sargs.overrides["rl.triage.tau_tail"] == 0.125 and sargs.overrides["optim.lr"] == 5e-5
+
+
 @pytest.mark.slow  # 170 s on 2 busy cores (pytest -n 2)
 def test_organism_quick_two_workers_writes_the_results(tmp_path):
     """Pilot -> thresholds file -> two pinned workers -> organism.json / .md / figure, the thresholds reaching the
