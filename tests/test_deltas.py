@@ -55,6 +55,7 @@ def test_missing_or_misshaped_deltas_name_the_problem(tmp_path):
         deltas.write(str(tmp_path), 3, np.zeros((2, 8)), np.ones((2, 7)), np.zeros(2))
 
 
+@pytest.mark.slow  # 52 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_trainer_saves_every_kth_step_the_delta_its_metrics_come_from(tmp_path):
     c = small_config(tmp_path, **{"train.steps": 3, "train.save_deltas": 2, "train.energy_every": 0})
     hist = Trainer(c).run()

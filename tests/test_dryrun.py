@@ -36,6 +36,7 @@ def test_parse_mesh_names_bad_axes():
             dryrun.parse_mesh(bad)
 
 
+@pytest.mark.slow  # 73 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_dryrun_tiny_moe_on_simulated_expert_mesh():
     """End to end on 8 simulated devices, expert parallelism on: every remat policy and the rollout programs compile;
     parameters and optimizer state are split over the mesh (per-device bytes = total / shards)."""

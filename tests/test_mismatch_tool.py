@@ -49,6 +49,7 @@ def test_bad_flag_is_rejected(capsys):
     assert "int3" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 40 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_rules_dial(capsys):
     # --sampler_rules turning every decoder layer to BF16 makes a w4a4 sampler a bf16 one: no gap in float32;
     # keeping only the last of the 4 layers quantized leaves a gap in between.
@@ -70,6 +71,7 @@ def test_bad_rule_is_a_clear_error(capsys):
     assert "unknown preset 'w3a3'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 44 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_exact_flag_gives_zero_delta_from_a_config_file(capsys):
     r = _run(capsys, "--config=configs/tiny.py", "--learner=w4a4", "--sampler=w4a4", "--exact", "--prompts=random",
              "--prompt_len=10")

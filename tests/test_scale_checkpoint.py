@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
@@ -57,6 +59,7 @@ def _run(mode: str, directory: str, mesh: dict, devices: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow  # 44 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
     saved = _run("save", str(tmp_path / "ck"), {"fsdp": 2, "tensor": 2, "expert": 2}, 8)
     restored = _run("restore", str(tmp_path / "ck"), {"data": 2, "tensor": 2}, 4)

@@ -188,6 +188,7 @@ LEARNER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 57 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_moe_learner_step_with_expert_parallelism_equals_single_device():
     """The whole learner (recompute, loss with the aux term, update) on fsdp=2 x expert=4 equals one device."""
 

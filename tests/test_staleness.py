@@ -205,6 +205,7 @@ def _untimed(m):
     return {k: v for k, v in m.items() if not k.startswith("time/")}
 
 
+@pytest.mark.slow  # 135 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_stale_run_is_deterministic_and_resumes_exactly(tmp_path):
     """rl.staleness=2 (a ring of two snapshots, two queued rollouts): a rerun gives the same numbers, and a run
     killed after step 3's log but before its checkpoint resumes from step 2 (snapshots restored, the queue

@@ -172,6 +172,7 @@ def _score_by_length(texts, truths, reward="dapo"):
     return BatchRewards(rewards=np.where(correct, 1.0, -1.0).astype(np.float32), accuracy=correct)
 
 
+@pytest.mark.slow  # 61 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_dynamic_sampling_with_fill_rows(tmp_path, monkeypatch):
     """The trainer's dynamic-sampling path: flat groups dropped, the batch short of groups gets fill rows, the
     fill rows are spread so no mini-batch is left without a real token, and the counters say so."""
@@ -192,6 +193,7 @@ def test_dynamic_sampling_with_fill_rows(tmp_path, monkeypatch):
     assert hist[-1]["learner/updates"] == tr.learner.num_updates
 
 
+@pytest.mark.slow  # 42 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_no_kept_group_takes_no_step_and_logs_nan(tmp_path, monkeypatch):
     """Every group flat: the whole batch is fill rows, no mini-batch takes an optimizer step (params and
     AdamW state bit-identical, update count 0), and the learner's NaN metrics reach TensorBoard."""
