@@ -52,8 +52,11 @@ class Attention(nnx.Module):
             k_buf, k_scale = kvc.write_slots(cache.k[i], cache.k_scale[i], k_btkh, new_mask_bt, slot_bt, hr)
             v_buf, v_scale = kvc.write_slots(cache.v[i], cache.v_scale[i], v_btkh, new_mask_bt, slot_bt, hr)
             cache = cache.replace(k=cache.k[:i] + (k_buf,) + cache.k[i + 1:],
-                                  v=cache.v[:i] + (v_buf,) + cache.v[i + 1:],
-                                  k_scale=cache.k_scale.at[i].set(k_scale), v_scale=cache.v_scale.at[i].set(v_scale))
+                                  v=cache.v[:i] + (v_buf,) + cache.v[i + 1:])
+            if cache.is_fp8:  # only FP8 sets a scale (at the first write); storing the others' 1.0 again would
+                # cost the decode step two small kernels a layer
+                cache = cache.replace(k_scale=cache.k_scale.at[i].set(k_scale),
+                                      v_scale=cache.v_scale.at[i].set(v_scale))
             k_bksh, v_bksh = kvc.read(k_buf, k_scale, q_btnh.dtype), kvc.read(v_buf, v_scale, q_btnh.dtype)
             if exact:
                 visible_bts = jnp.arange(k_bksh.shape[2], dtype=jnp.int32)[None, None, :] <= slot_bt[:, :, None]
