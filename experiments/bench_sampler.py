@@ -244,13 +244,12 @@ def bench_positions(model, repeats, rng, vocab, steps=64, budget=2048, b=8):
 
 # ------------------------------------------------------------------------------------------ 4. matmul ceiling
 
-def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32, hf_model=None):
-    """Tokens/s and GFLOP/s of the per-token matmuls alone (float32), `steps` tokens in one jitted loop; with a
-    model, also the engine's decode tokens/s at this batch (steps and 1 new token), and with an HF model HF's,
-    interleaved with the loop (None where not measured)."""
+def ceiling_call(cfg, batch, steps):
+    """A zero-argument call of the model's per-token matmuls alone (float32) for `steps` tokens in one jitted loop
+    (blocks until done), and the FLOPs of one call: what decoding costs with every other op removed, in the same
+    XLA dots every JAX sampler here runs."""
     d, i_, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    nh, kvh, hd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
-    del hd
+    nh, kvh = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     key = jax.random.key(0)
     shapes = [(d, nh), (d, kvh), (d, kvh), (nh, d), (d, i_), (d, i_), (i_, d)]
     layers = [[0.02 * jax.random.normal(jax.random.fold_in(key, 10 * li + j), s, jnp.float32)
@@ -273,9 +272,17 @@ def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32, hf_mod
         return jax.lax.fori_loop(0, steps, step, x)
 
     x = jax.random.normal(key, (batch, d), jnp.float32)
-    fns = [lambda: jax.block_until_ready(loop(x, layers, head))]
+    return (lambda: jax.block_until_ready(loop(x, layers, head))), flops * steps
+
+
+def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32, hf_model=None):
+    """Tokens/s and GFLOP/s of the per-token matmuls alone (`ceiling_call`); with a model, also the engine's decode
+    tokens/s at this batch (steps and 1 new token), and with an HF model HF's, interleaved with the loop (None where
+    not measured)."""
+    ceiling, flops = ceiling_call(cfg, batch, steps)
+    fns = [ceiling]
     if model is not None:
-        prompts = [np.random.default_rng(1).integers(2, v, prompt_len).tolist() for _ in range(batch)]
+        prompts = [np.random.default_rng(1).integers(2, cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
         config = engine_config(batch, prompt_len, steps)
         fns += [engine_call(model, prompts, SamplingConfig(max_new_tokens=n), config)[0] for n in (steps, 1)]
         if hf_model is not None:
@@ -283,7 +290,7 @@ def matmul_ceiling(cfg, batch, steps, repeats, model=None, prompt_len=32, hf_mod
     times, _ = interleaved(fns, repeats)
     engine = batch * (steps - 1) / max(times[1] - times[2], 1e-9) if model is not None else None
     hf = batch * (steps - 1) / max(times[3] - times[4], 1e-9) if model is not None and hf_model is not None else None
-    return batch * steps / times[0], flops * steps / times[0] / 1e9, engine, hf
+    return batch * steps / times[0], flops / times[0] / 1e9, engine, hf
 
 
 # ------------------------------------------------------------------------------------------ main

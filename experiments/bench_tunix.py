@@ -19,7 +19,10 @@ and the same call with 1 new token (prefill + first draw); decode tokens/s = bat
 in a persistent worker process that this script drives one call at a time, so the two sides' calls interleave
 (engine, Tunix, engine, Tunix, ...) and a change of the machine's load hits both alike; the load average is read
 at the start and at the end. The greedy tokens of
-both sides are compared row by row. Prints the load first, a table and one JSON line (`"bench": "tunix"`).
+both sides are compared row by row. Beside them, interleaved the same way, the matmul-only ceiling at each batch
+(`bench_sampler.ceiling_call`: the model's per-token matmuls alone, 128 tokens in one jitted loop - the XLA dots both
+JAX samplers run): each side's decode tokens/s as a share of it, and the share 1.5x Tunix would ask of the engine.
+Prints the load first, a table and one JSON line (`"bench": "tunix"`).
 
 The worker half (`--worker`) imports only the standard library, numpy, jax and tunix, so it runs in the Tunix venv.
 """
@@ -154,6 +157,16 @@ def engine_call(model, prompts, n, prompt_len, new_tokens):
     return run
 
 
+def timed(fn):
+    """fn as a call that returns (its seconds, None), like the two samplers' calls."""
+    def run():
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0, None
+
+    return run
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--venv", default=os.environ.get("TUNIX_VENV", "/tmp/tunix_venv"))
@@ -172,6 +185,7 @@ def main(argv=None):
     import numpy as np
     from flax import nnx
 
+    from experiments.bench_sampler import ceiling_call
     from experiments.loadavg import ForeignCpu, machine_load
     from triage_jax import models
 
@@ -197,12 +211,13 @@ def main(argv=None):
             json.dump({"batches": prompt_sets, "prompt_len": args.prompt_len, "cache_size": cache_size}, f)
         worker = TunixWorker(py, os.path.join(d, "ckpt"), os.path.join(d, "job.json"), os.path.join(d, "worker.log"))
         tunix = worker.info
-        # Per batch: engine and Tunix, new_tokens and 1 new token; a warm-up call each (compiles), then the four
-        # calls in turn, --repeats times.
+        # Per batch: engine and Tunix, new_tokens and 1 new token, and the matmul-only loop; a warm-up call each
+        # (compiles), then the five calls in turn, --repeats times.
         meas = []
         for k, prompts in enumerate(prompt_sets):
             fns = [engine_call(model, prompts, n, args.prompt_len, args.new_tokens) for n in (args.new_tokens, 1)]
             fns += [lambda n=n, k=k: (lambda r: (r["t"], r["tokens"]))(worker.call(k, n)) for n in (args.new_tokens, 1)]
+            fns.append(timed(ceiling_call(cfg_model, len(prompts), args.new_tokens)[0]))
             outs = [fn() for fn in fns]
             times = [[] for _ in fns]
             for _ in range(args.repeats):
@@ -217,16 +232,19 @@ def main(argv=None):
 
     rows = []
     for b, (times, toks, ttoks) in zip(batches, meas):
-        t_full, t_one, tt_full, tt_one = times
+        t_full, t_one, tt_full, tt_one, t_ceil = times
         dec = b * (args.new_tokens - 1)
         row = {"batch": b, "engine_tok_s": b * args.new_tokens / t_full,
                "engine_decode_tok_s": dec / max(t_full - t_one, 1e-9),
                "tunix_tok_s": b * args.new_tokens / tt_full,
                "tunix_decode_tok_s": dec / max(tt_full - tt_one, 1e-9),
+               "ceiling_tok_s": b * args.new_tokens / t_ceil,
                "greedy_identical": toks == [r[:args.new_tokens] for r in ttoks]
                and all(len(r) == args.new_tokens for r in ttoks)}
         row["speedup"] = row["engine_tok_s"] / row["tunix_tok_s"]
         row["decode_speedup"] = row["engine_decode_tok_s"] / row["tunix_decode_tok_s"]
+        row["engine_ceiling_fraction"] = row["engine_decode_tok_s"] / row["ceiling_tok_s"]
+        row["tunix_ceiling_fraction"] = row["tunix_decode_tok_s"] / row["ceiling_tok_s"]
         rows.append(row)
     print(f"tiny Qwen3 float32, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, cache {cache_size}; "
           f"Tunix {tunix['tunix']} (jax {tunix['jax']}, {tunix['backend']}){load.tag() or load_end.tag()}")
@@ -236,6 +254,12 @@ def main(argv=None):
         print(f"{r['batch']:>5} {r['engine_tok_s']:>12.0f} {r['tunix_tok_s']:>11.0f} {r['speedup']:>5.2f}x "
               f"{r['engine_decode_tok_s']:>16.0f} {r['tunix_decode_tok_s']:>15.0f} {r['decode_speedup']:>7.2f}x "
               f"{str(r['greedy_identical']):>11}")
+    print("matmul-only ceiling (bench_sampler.ceiling_call: the model's per-token matmuls alone, the same XLA dots "
+          "both samplers run), decode tok/s as a share of it:")
+    for r in rows:
+        print(f"{r['batch']:>5} ceiling {r['ceiling_tok_s']:>6.0f} tok/s: engine {100 * r['engine_ceiling_fraction']:.0f}%,"
+              f" Tunix {100 * r['tunix_ceiling_fraction']:.0f}%; 1.5x Tunix needs "
+              f"{150 * r['tunix_ceiling_fraction']:.0f}% of it")
     target = all(r["decode_speedup"] >= 1.5 for r in rows)
     print(f"target >= 1.5x Tunix decode tok/s at every batch: {'met' if target else 'NOT met'}")
     fields = load.fields()
