@@ -49,9 +49,11 @@ def print_summary(summary: dict) -> None:
 
 
 def _startup_sigterm(signum, frame):
-    """SIGTERM before the trainer exists: nothing was written yet; exit cleanly."""
-    print(f"signal {signum} received during start-up: nothing saved, exiting", file=sys.stderr)
-    sys.exit(0)
+    """SIGTERM before the trainer exists: nothing was written yet; exit cleanly (status 0) at once."""
+    print(f"signal {signum} received during start-up: nothing saved, exiting", file=sys.stderr, flush=True)
+    # Not sys.exit: a handler runs wherever the main thread is, and when that is a gc callback (jax registers one)
+    # the SystemExit is printed as "Exception ignored" and the run goes on to train and save. Nothing is open yet.
+    os._exit(0)
 
 
 def main(argv) -> None:
@@ -77,6 +79,7 @@ def main(argv) -> None:
     try:
         trainer = Trainer(c)
         trainer.run(resume=_RESUME.value)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # saved; the start-up handler's message would be wrong now
     except Interrupted as e:
         print(f"{e}, exiting", file=sys.stderr)
         sys.exit(0)

@@ -94,6 +94,7 @@ class Trainer:
         # saved (Interrupted); during the loop it finishes the step, saves and exits.
         self._stop_signal = None
         self._prev_sigterm = None
+        self._training = False  # inside run()'s step loop (what a SIGTERM then does differs)
         if threading.current_thread() is threading.main_thread():
             self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self.progress = c.train.progress if progress is None else progress
@@ -432,7 +433,10 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------- loop
     def _on_sigterm(self, signum, frame):
         self._stop_signal = signum
-        log.warning("signal %d received: finishing this step, saving a checkpoint and exiting", signum)
+        if self._training:
+            log.warning("signal %d received: finishing this step, saving a checkpoint and exiting", signum)
+        else:
+            log.warning("signal %d received during start-up: stopping before the first step, nothing saved", signum)
 
     def run(self, *, resume: bool = True, max_steps: int | None = None) -> list[dict[str, float]]:
         """Train until config.train.steps (or `max_steps` more steps); returns the per-step metrics."""
@@ -460,6 +464,7 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=end, initial=self.step, desc="GRPO", dynamic_ncols=True)
+        self._training = True
         try:
             while self.step < end:
                 data_state = self._data_state()
@@ -491,6 +496,7 @@ class Trainer:
                 if self._stop_signal is not None:
                     break
         finally:
+            self._training = False
             if on_main:
                 signal.signal(signal.SIGTERM, self._prev_sigterm if self._prev_sigterm is not None else prev)
             if writer is not None:
