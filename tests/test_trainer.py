@@ -141,26 +141,25 @@ def test_nonfinite_streak(tmp_path):
         tr.train_step()
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "triage_jax.main", "--config=configs/tiny.py", f"--config.run_dir={run_dir}",
-            f"--config.warmup.cache_dir={tmp_path / 'warm'}", "--config.warmup.steps=2",
-            "--config.warmup.batch_size=4", "--config.rl.num_prompts=2", "--config.rl.group_size=4",
-            "--config.rl.mini_batch=8", "--config.rl.micro_batch=4", "--config.train.steps=1000",
-            "--config.train.ckpt_every=1000", "--config.train.progress=False", "--config.sampler.max_new_tokens=8",
-            "--config.rl.max_resample=0"]
+def _sigterm_at(args, marker: str) -> tuple[int, str]:
+    """Run the CLI, send SIGTERM when a stderr line contains `marker`: (exit status, its whole stderr)."""
     proc = subprocess.Popen(args, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    lines = []
+    head = []
     for line in proc.stderr:
-        lines.append(line)
-        if "step 2/1000" in line:
+        head.append(line)
+        if marker in line:
             proc.send_signal(signal.SIGTERM)
             break
     _, rest = proc.communicate(timeout=300)
-    log = "".join(lines) + rest
-    assert proc.returncode == 0, log[-3000:]
+    return proc.returncode, "".join(head) + rest
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    rc, log = _sigterm_at(_main_args(tmp_path, "--config.train.steps=1000", "--config.train.ckpt_every=1000"),
+                          "step 2/1000")
+    assert rc == 0, log[-3000:]
     assert "signal 15 received" in log
-    steps = [int(d) for d in os.listdir(run_dir / "checkpoints") if d.isdigit()]
+    steps = [int(d) for d in os.listdir(tmp_path / "run" / "checkpoints") if d.isdigit()]
     assert steps and max(steps) >= 2
 
 
@@ -300,18 +299,9 @@ def test_sigterm_during_startup_exits_cleanly(tmp_path):
     """Before: killed by the signal (exit -15). Now: nothing saved, exit 0, one line saying so. The signal goes out
     when the warm-up's log line appears (the Trainer is being built; the first step is seconds away), not after a
     fixed sleep: with the suite's compilation cache warm, 3 steps can finish within any fixed delay."""
-    proc = subprocess.Popen(_main_args(tmp_path, "--config.train.steps=3"), cwd=ROOT, stderr=subprocess.PIPE,
-                            text=True)
-    head = []
-    for line in proc.stderr:
-        head.append(line)
-        if "warm-up: SFT loss" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    _, err = proc.communicate(timeout=300)
-    err = "".join(head) + err
+    rc, err = _sigterm_at(_main_args(tmp_path, "--config.train.steps=3"), "warm-up: SFT loss")
     assert "warm-up: SFT loss" in err, err[-3000:]
-    assert proc.returncode == 0, err[-3000:]
+    assert rc == 0, err[-3000:]
     assert "before the first step" in err or "during start-up: nothing saved" in err, err[-3000:]
     assert "saving a checkpoint" not in err, err[-3000:]
     ck = tmp_path / "run" / "checkpoints"
