@@ -76,6 +76,7 @@ def test_one_device_equals_8_data_parallel_devices():
                                rtol=0, atol=4e-6)
 
 
+@pytest.mark.slow  # ~65 s of compiles in two subprocesses; the default run keeps the data-parallel check above
 def test_tensor_parallel_decode_equals_one_device():
     """W4A4 weights (quantized once, as the trainer syncs them) on a data=4 x tensor=2 mesh: the engine reshards
     them tensor-parallel (query/KV/gate/up codes split by output rows, o_proj/down_proj by input blocks, the

@@ -12,6 +12,7 @@ NVFP4 tensors are stored packed, two codes per byte, as on the hardware; `.data`
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -38,6 +39,13 @@ E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 Scaling = Literal["tensor", "row", "tile2d"]
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _compiled(*static: str):
+    """jax.jit for a public quantizer: one program per (shapes, dtypes, static settings). Called eagerly (notebooks,
+    tools, tests), op-by-op dispatch would compile each of its ~40 primitives on its own (~50 ms each on XLA:CPU);
+    inside a jitted model the call is inlined as before."""
+    return functools.partial(jax.jit, static_argnames=static)
 
 
 def _check_input(x, block: int, what: str, min_rank: int = 1) -> None:
@@ -206,7 +214,8 @@ class NVFP4Tensor(PackedFP4):
         return cls(packed=pack_fp4(data), scale=scale, amax=amax, scaling=scaling)
 
     def global_decode_scale(self) -> jax.Array:
-        """amax / 2688 (1 where amax == 0): the float32 factor the GEMM paths apply to their output.
+        """amax * f32(1/2688) (1 where amax == 0, see nvfp4_decode_factor): the float32 factor the GEMM paths apply
+        to their output.
 
         This is the quantized dot's alpha, not the dequantize: the reference GEMM (backends.reference_matmul, the
         fused xla path, the Pallas and cuDNN matmuls) computes `dot(e2m1*s, e2m1*s) * (amax_a/2688) * (amax_b/2688)`
@@ -214,7 +223,7 @@ class NVFP4Tensor(PackedFP4):
         The two differ by float32 rounding of the factor (a few ulp of the output), like any change of the
         accumulation order; `dequantize` below is TE's dequantize kernel bit for bit.
         """
-        return jnp.where(self.amax == 0, jnp.float32(1.0), self.amax.astype(F32) / jnp.float32(NVFP4_RANGE))
+        return nvfp4_decode_factor(self.amax)
 
     def decoded_scale(self) -> jax.Array:
         """The E4M3 block scales as float32 [..., K/16] (decoded with integer ops: see e4m3_round_nonneg)."""
@@ -261,6 +270,7 @@ class NVFP4Tensor(PackedFP4):
             amax = _bcast_factor(amax, s.ndim)  # scalar, or [E] under vmap -> [E, 1, 1]
         return (s * amax) * jnp.float32(NVFP4_DECODE_FACTOR)
 
+    @_compiled("dtype")
     def dequantize(self, dtype=F32) -> jax.Array:
         """TE's dequantize, bit for bit: e2m1(q) * block_decode_factor() in float32, then cast to dtype."""
         e = _blocks(e2m1_decode(self.codes), NVFP4_BLOCK)  # [..., K/16, 16]
@@ -278,6 +288,7 @@ class MXFP8Tensor:
     def shape(self) -> tuple[int, ...]:
         return self.data.shape
 
+    @_compiled("dtype")
     def dequantize(self, dtype=F32) -> jax.Array:
         q = _blocks(self.data.astype(F32), MXFP8_BLOCK)
         s = self.scale.astype(F32)[..., None]
@@ -295,6 +306,7 @@ class FP8Tensor:
     def shape(self) -> tuple[int, ...]:
         return self.data.shape
 
+    @_compiled("dtype")
     def dequantize(self, dtype=F32) -> jax.Array:
         s = _bcast_factor(self.scale.astype(F32), self.data.ndim)
         return (self.data.astype(F32) * s).astype(dtype)
@@ -371,6 +383,7 @@ class MXFP4Tensor(PackedFP4):
         """block_values() transposed, [..., K, N] (the GEMM's K-major weight operand)."""
         return jnp.swapaxes(self.block_values(), -1, -2)
 
+    @_compiled("dtype")
     def dequantize(self, dtype=F32) -> jax.Array:
         return self.block_values().astype(dtype)
 
@@ -381,6 +394,7 @@ def _mxfp4_check(x, rounding: str, what: str) -> jax.Array:
     return x.astype(F32)
 
 
+@_compiled("rounding", "name", "debug")
 def quantize_mxfp4(x: jax.Array, rounding: str = "floor", *, name: str = "", debug: bool | str = False) -> MXFP4Tensor:
     """MXFP4-quantize x[..., K] along its last axis (OCP MX v1.0; blocks of 32, E8M0 shared exponents).
 
@@ -406,6 +420,7 @@ def _mxfp4_kn_codes(w: jax.Array, rounding: str, what: str) -> tuple[jax.Array, 
     return e2m1_rne_codes(wb * _pow2_neg_biased(e)[..., None, :]).reshape(w.shape), e
 
 
+@_compiled("rounding")
 def quantize_mxfp4_kn(w: jax.Array, rounding: str = "floor") -> MXFP4Tensor:
     """MXFP4 of w^T for a weight w[..., K, N]: bit-identical to quantize_mxfp4(swapaxes(w, -1, -2), rounding)."""
     codes, e = _mxfp4_kn_codes(w, rounding, "quantize_mxfp4_kn")
@@ -416,6 +431,7 @@ def quantize_mxfp4_kn(w: jax.Array, rounding: str = "floor") -> MXFP4Tensor:
     return MXFP4Tensor(packed=jnp.swapaxes(packed, -1, -2), scale=jnp.swapaxes(scale, -1, -2), rounding=rounding)
 
 
+@_compiled("rounding")
 def mxfp4_fake_quant(x: jax.Array, rounding: str = "floor") -> jax.Array:
     """quantize_mxfp4(x, rounding).block_values() computed elementwise, without packing (the on-the-fly operand)."""
     x = _mxfp4_check(x, rounding, "mxfp4_fake_quant")
@@ -425,6 +441,7 @@ def mxfp4_fake_quant(x: jax.Array, rounding: str = "floor") -> jax.Array:
     return v.reshape(x.shape)
 
 
+@_compiled("rounding")
 def mxfp4_fake_quant_kn(w: jax.Array, rounding: str = "floor") -> jax.Array:
     """mxfp4_fake_quant of w^T for w[..., K, N], returned in w's [..., K, N] layout (as quantize_mxfp4_kn)."""
     _check_rounding(rounding, "mxfp4_fake_quant_kn")
@@ -440,6 +457,14 @@ def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
     amax = amax.astype(F32)
     s = jnp.minimum(jnp.float32(NVFP4_RANGE) / amax, FLT_MAX)
     return jnp.where((amax == 0) | (s == 0), jnp.float32(1.0), s)
+
+
+def nvfp4_decode_factor(amax: jax.Array) -> jax.Array:
+    """The decode factor amax / 2688 as XLA computes it in a compiled program: amax * f32(1/2688) (a division by a
+    constant is compiled as a multiplication by its float32 reciprocal, an ulp off the true quotient for ~1/4 of
+    inputs); written out, eager and compiled calls agree. 1 where amax == 0."""
+    amax = jnp.asarray(amax).astype(F32)
+    return jnp.where(amax == 0, jnp.float32(1.0), amax * jnp.float32(NVFP4_DECODE_FACTOR))
 
 
 def nvfp4_block_amax(x: jax.Array, scaling: Scaling) -> jax.Array:
@@ -506,6 +531,7 @@ def nvfp4_prepare(
     return x, amax
 
 
+@_compiled("scaling", "name", "debug")
 def quantize_nvfp4(
     x: jax.Array,
     *,
@@ -561,6 +587,7 @@ def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str 
     return wb, amax, inv, scale_f32, code
 
 
+@_compiled("scaling", "name", "debug")
 def quantize_nvfp4_kn(
     w: jax.Array, *, scaling: Scaling = "tensor", name: str = "", debug: bool | str = False
 ) -> NVFP4Tensor:
@@ -580,6 +607,7 @@ def quantize_nvfp4_kn(
     )
 
 
+@_compiled("name", "debug")
 def quantize_mxfp8_kn(w: jax.Array, *, name: str = "", debug: bool | str = False) -> MXFP8Tensor:
     """MXFP8 of w^T for a weight w[..., K, N]: bit-identical to quantize_mxfp8(swapaxes(w, -1, -2))."""
     _check_input(jnp.swapaxes(w, -1, -2), MXFP8_BLOCK, "quantize_mxfp8_kn (w^T)", min_rank=2)
@@ -602,6 +630,7 @@ def _e2m1_rne_values(y: jax.Array) -> jax.Array:
     return jnp.copysign(jnp.round(a * inv_step) / inv_step, y)
 
 
+@_compiled("scaling")
 def nvfp4_fake_quant(
     x: jax.Array, *, scaling: Scaling = "tensor", amax: jax.Array | float | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -617,15 +646,16 @@ def nvfp4_fake_quant(
     scale_f32, _ = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
     inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)
     v = _e2m1_rne_values(_blocks(x, NVFP4_BLOCK) * inv[..., None]) * scale_f32[..., None]
-    g = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(NVFP4_RANGE))
+    g = nvfp4_decode_factor(amax)
     return v.reshape(x.shape), g
 
 
+@_compiled("scaling")
 def nvfp4_fake_quant_kn(w: jax.Array, *, scaling: Scaling = "tensor") -> tuple[jax.Array, jax.Array]:
     """nvfp4_fake_quant of w^T for w[..., K, N], returned in w's [..., K, N] layout (as quantize_nvfp4_kn)."""
     wb, amax, inv, scale_f32, _ = _nvfp4_kn_block_scales(w, scaling, "nvfp4_fake_quant_kn")
     v = _e2m1_rne_values(wb * inv) * scale_f32[..., None, :]
-    g = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(NVFP4_RANGE))
+    g = nvfp4_decode_factor(amax)
     return v.reshape(w.shape), g
 
 
@@ -661,6 +691,7 @@ def mxfp8_encode_blocks(xb: jax.Array, rounding: str = "rceil") -> tuple[jax.Arr
     return q, e.astype(jnp.uint8)
 
 
+@_compiled("rounding", "name", "debug")
 def quantize_mxfp8(
     x: jax.Array, *, rounding: str = "rceil", name: str = "", debug: bool | str = False
 ) -> MXFP8Tensor:
@@ -678,6 +709,7 @@ def quantize_mxfp8(
     return MXFP8Tensor(data=q.reshape(x.shape), scale=scale)
 
 
+@_compiled("name", "debug")
 def quantize_fp8(
     x: jax.Array, scale: jax.Array | float | None = None, *, name: str = "", debug: bool | str = False
 ) -> FP8Tensor:
@@ -687,7 +719,7 @@ def quantize_fp8(
     report_nonfinite(x, "quantize_fp8", name, debug)
     if scale is None:
         amax = jnp.max(_nan_to_zero_abs(x))
-        scale = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(E4M3_MAX))
+        scale = jnp.where(amax == 0, jnp.float32(1.0), amax * jnp.float32(1.0 / E4M3_MAX))  # as compiled
     scale = jnp.asarray(scale, F32)
     return FP8Tensor(data=e4m3_cast(x / scale), scale=scale)
 
