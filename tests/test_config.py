@@ -5,6 +5,7 @@ import pathlib
 
 import pytest
 
+from triage_jax import build
 from triage_jax.config import ConfigError, base_config, validate
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -73,6 +74,8 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("learner.rules", ("lm_head",), "learner.rules.*expected REGEX=PRESET"),
         ("learner.rules", ("last:9=bf16",), "learner.rules.*layer count in 1..4"),  # the tiny preset has 4
         ("sampler.rules", ("(unclosed=bf16",), "sampler.rules.*bad regex"),
+        ("model.num_hidden_layers", -1, "model.num_hidden_layers"),
+        ("model.hf_path", "/some/hf", "model.num_hidden_layers.*has its own"),  # with num_hidden_layers=2 below
     ],
 )
 def test_bad_values_name_the_key(key, value, match):
@@ -82,7 +85,22 @@ def test_bad_values_name_the_key(key, value, match):
     for p in parents:
         node = node[p]
     node[leaf] = value
+    if key == "model.hf_path":
+        c.model.num_hidden_layers = 2
     with pytest.raises(ConfigError, match=match):
+        validate(c)
+
+
+def test_model_depth_override_reaches_the_model_and_the_layer_rules():
+    """model.num_hidden_layers sets the preset's depth for the model the run builds and for what first:/last: rules
+    count against (the warm-up cache keys on the model config, so it never serves the other depth)."""
+    c = base_config()
+    c.model.num_hidden_layers = 2
+    assert build.model_config(c, 64).num_hidden_layers == 2
+    c.learner.rules = ("last:2=bf16",)
+    validate(c)
+    c.learner.rules = ("last:3=bf16",)
+    with pytest.raises(ConfigError, match="learner.rules.*layer count in 1..2"):
         validate(c)
 
 
@@ -131,7 +149,6 @@ def test_correction_settings_are_registry_sub_dicts():
     dataclass, and build.correction hands the active one to the learner."""
     import dataclasses
 
-    from triage_jax import build
     from triage_jax.rl.corrections import CORRECTIONS
 
     c = base_config()
@@ -172,7 +189,6 @@ def test_broken_hf_config_json_fails_in_validation(tmp_path):
 def test_organism_config_covers_its_chains_and_splits_them_into_64_token_segments(tmp_path):
     """The response length holds every reference chain (with its stop token), the prompt length every prompt,
     and TRIAGE's segments are the paper's 64 tokens (1-3 segments per chain)."""
-    from triage_jax import build
 
     c = load("organism")
     c.run_dir = str(tmp_path)
@@ -208,7 +224,6 @@ def test_organism_bad_values_name_the_key(over, match):
 def test_precision_rules_reach_both_policies():
     """sampler.rules / learner.rules go ahead of each side's preset (the sampler's with token-wise activation
     scales); exact mode needs them equal."""
-    from triage_jax import build
 
     c = base_config()
     c.sampler.rules = ("lm_head$=w4a4",)
@@ -232,7 +247,6 @@ def test_precision_rules_reach_both_policies():
 
 def test_sampler_act_scaling_reaches_every_quantized_layer_of_the_sampler():
     """config.sampler.act_scaling="tensor" (the granularity dial) applies to the preset and to the rules' layers."""
-    from triage_jax import build
 
     c = base_config()
     c.sampler.rules = ("lm_head$=w4a4",)

@@ -22,6 +22,7 @@ def small_config(tmp_path, **over):
     c = base_config()
     c.run_dir = str(tmp_path / "run")
     c.warmup.cache_dir = str(tmp_path / "warm")
+    c.model.num_hidden_layers = 2  # half the tiny preset: half the compile time, every code path still taken
     c.warmup.steps = 4
     c.warmup.batch_size = 8
     c.rl.num_prompts, c.rl.group_size = 2, 4
@@ -155,7 +156,7 @@ def _sigterm_at(args, marker: str) -> tuple[int, str]:
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
-    rc, log = _sigterm_at(_main_args(tmp_path, "--config.train.steps=1000", "--config.train.ckpt_every=1000"),
+    rc, log = _sigterm_at(_main_args(tmp_path, **{"train.steps": 1000, "train.ckpt_every": 1000}),
                           "step 2/1000")
     assert rc == 0, log[-3000:]
     assert "signal 15 received" in log
@@ -287,19 +288,33 @@ def test_dapo_prompts_fail_before_any_checkpoint_or_compile(tmp_path, bad, match
     assert not os.path.exists(os.path.join(c.run_dir, "checkpoints"))
 
 
-def _main_args(tmp_path, *extra):
-    return [sys.executable, "-m", "triage_jax.main", "--config=configs/tiny.py", f"--config.run_dir={tmp_path / 'run'}",
-            f"--config.warmup.cache_dir={tmp_path / 'warm'}", "--config.warmup.steps=2",
-            "--config.warmup.batch_size=4", "--config.rl.num_prompts=2", "--config.rl.group_size=4",
-            "--config.rl.mini_batch=8", "--config.rl.micro_batch=4", "--config.train.progress=False",
-            "--config.sampler.max_new_tokens=8", "--config.rl.max_resample=0", *extra]
+def _flat(c, prefix=""):
+    out = {}
+    for k, v in c.items():
+        out.update(_flat(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k: v})
+    return out
+
+
+def _main_args(tmp_path, **over):
+    """The CLI on configs/tiny.py with the flags that make its config small_config(tmp_path, **over) exactly: the
+    same programs as the in-process runs, which the suite's compilation cache then serves instead of compiling
+    them again in the subprocess."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_config", os.path.join(ROOT, "configs", "tiny.py"))
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    have, want = _flat(tiny.get_config()), _flat(small_config(tmp_path, **over))
+    assert set(have) == set(want)
+    return [sys.executable, "-m", "triage_jax.main", "--config=configs/tiny.py",
+            *(f"--config.{k}={v}" for k, v in want.items() if v != have[k])]
 
 
 def test_sigterm_during_startup_exits_cleanly(tmp_path):
     """Before: killed by the signal (exit -15). Now: nothing saved, exit 0, one line saying so. The signal goes out
     when the warm-up's log line appears (the Trainer is being built; the first step is seconds away), not after a
     fixed sleep: with the suite's compilation cache warm, 3 steps can finish within any fixed delay."""
-    rc, err = _sigterm_at(_main_args(tmp_path, "--config.train.steps=3"), "warm-up: SFT loss")
+    rc, err = _sigterm_at(_main_args(tmp_path, **{"train.steps": 3}), "warm-up: SFT loss")
     assert "warm-up: SFT loss" in err, err[-3000:]
     assert rc == 0, err[-3000:]
     assert "before the first step" in err or "during start-up: nothing saved" in err, err[-3000:]
@@ -335,7 +350,7 @@ def test_cli_errors_are_one_line(tmp_path, case):
     if case == "data":
         bad = tmp_path / "d.jsonl"
         bad.write_text("not json\n" * 10)
-        args = _main_args(tmp_path, "--config.data.source=dapo", f"--config.data.path={bad}")
+        args = _main_args(tmp_path, **{"data.source": "dapo", "data.path": str(bad)})
         want = "error: DAPO-Math file"
     else:
         args = [sys.executable, "-m", "triage_jax.main", "--config=configs/nope.py"]

@@ -59,13 +59,16 @@ def held_out(c: ml_collections.ConfigDict, num_examples: int) -> SyntheticMathSo
 
 
 def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> models.ModelConfig:
-    """Model hyperparameters: the HF checkpoint's config, else the preset (tokenizer-sized vocab if asked)."""
+    """Model hyperparameters: the HF checkpoint's config, else the preset (tokenizer-sized vocab and another depth
+    if asked)."""
     overrides = {"dtype": c.model.dtype, "param_dtype": c.model.param_dtype, "remat": c.model.remat,
                  "attn_chunk": c.model.attn_chunk}
     if c.model.hf_path:
         return models.ModelConfig.from_hf_config(os.path.join(c.model.hf_path, "config.json")).replace(**overrides)
     if c.model.vocab_size:
         overrides["vocab_size"] = c.model.vocab_size
+    if c.model.num_hidden_layers:
+        overrides["num_hidden_layers"] = c.model.num_hidden_layers
     mc = models.get_model_config(c.model.preset, **overrides)
     if mc.vocab_size < vocab_size:
         raise ValueError(f"config.model.vocab_size: the model's vocabulary ({mc.vocab_size}) is smaller than the "

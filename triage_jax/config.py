@@ -68,6 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"
     c.model.attn_chunk = 0  # > 0: chunked (flash-style) attention in the learner for sequences longer than this
     c.model.vocab_size = 0  # 0: take it from the tokenizer (tiny presets)
+    c.model.num_hidden_layers = 0  # 0: the preset's depth; > 0 overrides it (a shallower or deeper preset model)
 
     c.tokenizer = "char"  # "char", "bpe" (trained on the synthetic task's corpus, see c.bpe) or a tokenizer.json path
 
@@ -246,6 +247,11 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     if c.tokenizer == "bpe":
         _check_bpe(c)
     _one_of(c, "model.dtype", ("float32", "bfloat16"))
+    if c.model.num_hidden_layers < 0:
+        _fail("model.num_hidden_layers", f"must be >= 0 (0: the preset's depth), got {c.model.num_hidden_layers}")
+    if c.model.num_hidden_layers and c.model.hf_path:
+        _fail("model.num_hidden_layers", f"sets a preset's depth; the HF checkpoint {c.model.hf_path!r} has its own "
+              f"(leave it 0)")
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
 
     for key in ("rl.num_prompts", "rl.group_size", "rl.mini_batch", "rl.micro_batch", "train.steps",
@@ -408,10 +414,11 @@ def _check_monitor(c: ml_collections.ConfigDict) -> None:
 
 
 def num_layers(c: ml_collections.ConfigDict) -> int | None:
-    """The model's decoder-layer count from its preset (None for an HF checkpoint: read when it is loaded)."""
+    """The model's decoder-layer count: model.num_hidden_layers, else its preset's (None for an HF checkpoint: read
+    when it is loaded)."""
     if c.model.hf_path or c.model.preset not in MODEL_PRESETS:
         return None
-    return MODEL_PRESETS[c.model.preset].num_hidden_layers
+    return int(c.model.num_hidden_layers) or MODEL_PRESETS[c.model.preset].num_hidden_layers
 
 
 def _check_rules(c: ml_collections.ConfigDict, side: str) -> None:
