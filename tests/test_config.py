@@ -75,7 +75,6 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("learner.rules", ("last:9=bf16",), "learner.rules.*layer count in 1..4"),  # the tiny preset has 4
         ("sampler.rules", ("(unclosed=bf16",), "sampler.rules.*bad regex"),
         ("model.num_hidden_layers", -1, "model.num_hidden_layers"),
-        ("model.hf_path", "/some/hf", "model.num_hidden_layers.*has its own"),  # with num_hidden_layers=2 below
     ],
 )
 def test_bad_values_name_the_key(key, value, match):
@@ -85,8 +84,6 @@ def test_bad_values_name_the_key(key, value, match):
     for p in parents:
         node = node[p]
     node[leaf] = value
-    if key == "model.hf_path":
-        c.model.num_hidden_layers = 2
     with pytest.raises(ConfigError, match=match):
         validate(c)
 
@@ -101,6 +98,9 @@ def test_model_depth_override_reaches_the_model_and_the_layer_rules():
     validate(c)
     c.learner.rules = ("last:3=bf16",)
     with pytest.raises(ConfigError, match="learner.rules.*layer count in 1..2"):
+        validate(c)
+    c.learner.rules, c.model.hf_path = (), "/some/hf"
+    with pytest.raises(ConfigError, match="model.num_hidden_layers.*HF checkpoint '/some/hf' has its own"):
         validate(c)
 
 

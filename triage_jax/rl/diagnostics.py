@@ -115,12 +115,11 @@ def masked_quantiles(x, mask, qs=QUANTILES) -> jax.Array:
 
 
 def _quantiles(x, m, qs, count):
-    pos, i0 = _positions(qs, count)
+    t, i0 = _positions(qs, count)
     i0 = jnp.clip(i0, 0, jnp.maximum(count - 1, 0))
     i1 = jnp.minimum(i0 + 1, jnp.maximum(count - 1, 0))
     v = masked_order_stats(x, m, jnp.concatenate([i0, i1]))
     v0, v1 = v[: len(qs)], v[len(qs):]
-    t = pos
     out = jnp.where(t >= 0.5, v1 - (v1 - v0) * (1.0 - t), v0 + (v1 - v0) * t)
     return jnp.where(count > 0, out, jnp.nan)
 
@@ -134,7 +133,7 @@ def _positions(qs, count):
     q64 = np.asarray(qs, np.float64)
     q32 = q64.astype(np.float32)
     q_err = jnp.asarray((q64 - q32.astype(np.float64)).astype(np.float32))
-    c = jnp.asarray(count - 1).astype(F32)  # exact: counts stay below 2**24
+    c = jnp.asarray(count - 1).astype(F32)  # exact below 2**24 tokens; beyond, off by <= count * 2**-24 positions
     p, e = _two_product(jnp.asarray(q32), c)
     i0 = jnp.floor(p)
     t = (p - i0) + (e + q_err * c)  # p - i0 is exact; the rest is a few ulps of p
