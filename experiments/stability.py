@@ -187,15 +187,11 @@ def extension_source(args, arm: str, seed: int) -> tuple[str, int]:
     if not os.path.exists(saved):
         raise ValueError(f"{saved} does not exist (no finished {arm} seed {seed} run to extend)")
 
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
+    from triage_jax.config import flatten
 
     with open(saved) as f:
-        old = flat(json.load(f))
-    new = flat(json.loads(arm_config(args, arm, seed).to_json()))
+        old = flatten(json.load(f))
+    new = flatten(json.loads(arm_config(args, arm, seed).to_json()))
     differ = sorted(k for k in set(old) | set(new) if k not in EXTEND_FREE and old.get(k) != new.get(k))
     if differ:
         raise ValueError(f"{src} ran other settings: " + ", ".join(f"{k} {old.get(k)!r} (now {new.get(k)!r})"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triage_jax.config import base_config
+from triage_jax.config import base_config, flatten
 from triage_jax.trainer import NonFiniteError, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,13 +288,6 @@ def test_dapo_prompts_fail_before_any_checkpoint_or_compile(tmp_path, bad, match
     assert not os.path.exists(os.path.join(c.run_dir, "checkpoints"))
 
 
-def _flat(c, prefix=""):
-    out = {}
-    for k, v in c.items():
-        out.update(_flat(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k: v})
-    return out
-
-
 def _main_args(tmp_path, **over):
     """The CLI on configs/tiny.py with the flags that make its config small_config(tmp_path, **over) exactly: the
     same programs as the in-process runs, which the suite's compilation cache then serves instead of compiling
@@ -304,7 +297,7 @@ def _main_args(tmp_path, **over):
     spec = importlib.util.spec_from_file_location("tiny_config", os.path.join(ROOT, "configs", "tiny.py"))
     tiny = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny)
-    have, want = _flat(tiny.get_config()), _flat(small_config(tmp_path, **over))
+    have, want = flatten(tiny.get_config()), flatten(small_config(tmp_path, **over))
     assert set(have) == set(want)
     return [sys.executable, "-m", "triage_jax.main", "--config=configs/tiny.py",
             *(f"--config.{k}={v}" for k, v in want.items() if v != have[k])]

@@ -413,6 +413,15 @@ def _check_monitor(c: ml_collections.ConfigDict) -> None:
                   f"{c.rl.correction!r} is already on (set --config.rl.correction=none)")
 
 
+def flatten(c, prefix: str = "") -> dict:
+    """{"section.key": value} of a config or its JSON dict (nested dicts become dotted keys): for comparing two
+    configs key by key, or writing one as --config.* flags."""
+    out = {}
+    for k, v in c.items():
+        out.update(flatten(v, f"{prefix}{k}.") if hasattr(v, "items") else {prefix + k: v})
+    return out
+
+
 def num_layers(c: ml_collections.ConfigDict) -> int | None:
     """The model's decoder-layer count: model.num_hidden_layers, else its preset's (None for an HF checkpoint: read
     when it is loaded)."""
