@@ -1,4 +1,4 @@
-"""The mismatch probe: sample under the sampler's precision, recompute log-probs under the learner's, measure the gap.
+r"""The mismatch probe: sample under the sampler's precision, recompute log-probs under the learner's, measure the gap.
 
 The library side of `python -m triage_jax.tools.mismatch`, shared with the studies and notebooks in experiments/:
 

@@ -163,7 +163,7 @@ class PrecisionPolicy:
 
 
 def layers_regex(layers: Iterable[int]) -> str:
-    """The module-path regex of decoder layers `layers` (e.g. [13, 14] -> r"^layers\.(13|14)\.")."""
+    r"""The module-path regex of decoder layers `layers` (e.g. [13, 14] -> r"^layers\.(13|14)\.")."""
     ids = sorted({int(i) for i in layers})
     if not ids:
         raise ValueError("layers_regex: no layer given")

@@ -1,4 +1,4 @@
-"""Mismatch probe: sample with the sampler's precision, recompute log-probs with the learner's, report the gap.
+r"""Mismatch probe: sample with the sampler's precision, recompute log-probs with the learner's, report the gap.
 
     python -m triage_jax.tools.mismatch --config=tiny --learner=bf16 --sampler=w4a4 [--kv=fp8] [--num_prompts=128]
         [--rules='last:0.15=bf16'] [--sampler_rules='mlp\.down_proj=w4a8'] [--learner_rules=...] [--exact]
