@@ -24,23 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from triage_jax.models import kv_cache
+from triage_jax.quant.ieee import rounded  # the FMA-contraction guard (quant/ieee.py owns it)
 
 F32 = jnp.float32
 BLOCK = kv_cache.BLOCK  # attention sums over slots per block of this many (the cache capacity granule)
 MIN_ROWS = 64  # the dot kernels are row-count invariant from 64 rows on (docs/numerics.md#exact-mode)
 MIN_COLS = 64  # ... and for outputs of >= 16 columns (float32: 2 and 8 columns are not); 64 with room
 MAX_QUERY_CHUNKS = 8  # causal_attention's query chunks (unrolled: a few, whatever the length)
-
-
-def rounded(x: jax.Array) -> jax.Array:
-    """x rounded to its dtype where it stands, so that no later add can absorb its last operation as an FMA.
-
-    XLA's CPU backend contracts a multiply feeding an add into a fused multiply-add wherever both land in one
-    fusion, and fusions are shape-dependent: the same a * b + c rounds its product in one program and not in
-    another (a 64-token prefill vs the learner's forward differed from position 2 on). copysign(|x|, x) is x for
-    every x (NaN, signed zeros), elementwise, and no contraction looks through it (tests/test_exact.py).
-    """
-    return jnp.copysign(jnp.abs(x), x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:

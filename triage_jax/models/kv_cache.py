@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from triage_jax.models.config import ModelConfig
+from triage_jax.quant import ieee
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
@@ -83,14 +84,14 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str 
 
 def fp8_write_scale(current: jax.Array, x_btkh: jax.Array, mask_bt: jax.Array, headroom: float) -> jax.Array:
     """The layer's scale after this write: kept if set, else amax(real tokens) * headroom / 448 (1.0 if all zero)."""
-    amax = jnp.max(jnp.where(mask_bt[:, :, None, None], jnp.abs(x_btkh.astype(F32)), 0.0))
-    fresh = jnp.where(amax > 0, amax * (headroom / FP8_MAX), 1.0)
+    amax = jnp.max(jnp.where(mask_bt[:, :, None, None], jnp.abs(ieee.ftz(x_btkh.astype(F32))), 0.0))
+    fresh = jnp.where(amax > 0, ieee.ftz(amax * (headroom / FP8_MAX)), 1.0)
     return jnp.where(current > 0, current, fresh).astype(F32)
 
 
 def quantize_fp8_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
     """E4M3 codes of x / scale, clipped to +-448 before the cast (an out-of-range cast is not saturating)."""
-    return jnp.clip(x.astype(F32) / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    return jnp.clip(ieee.div(x.astype(F32), scale), -FP8_MAX, FP8_MAX).astype(FP8)  # IEEE division (quant/ieee.py)
 
 
 def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask_bt: jax.Array,
@@ -127,7 +128,7 @@ def scatter_set(buf: jax.Array, index, values: jax.Array) -> jax.Array:
 def read(buf_bksh: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """One layer's keys (or values) [B, KVH, S, Dh] in the compute dtype (dequantized when fp8)."""
     if buf_bksh.dtype == FP8:
-        return (buf_bksh.astype(F32) * scale).astype(dtype)
+        return ieee.ftz(buf_bksh.astype(F32) * ieee.ftz(scale)).astype(dtype)
     return buf_bksh.astype(dtype)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import struct
 
 from triage_jax.quant.debug import report_nonfinite
+from triage_jax.quant import ieee
 
 F32 = jnp.float32
 FLT_MAX = np.float32(np.finfo(np.float32).max)
@@ -61,6 +62,12 @@ def _check_input(x, block: int, what: str, min_rank: int = 1) -> None:
         raise ValueError(
             f"{what}: last (contraction) dim of shape {x.shape} is {x.shape[-1]}, not a multiple of {block}"
         )
+
+
+def _as_input(x: jax.Array) -> jax.Array:
+    """A quantizer's input as float32, its float32 subnormals counting as zeros of their sign (XLA:CPU's DAZ;
+    ieee.ftz makes the other backends do the same: docs/numerics.md, "GPU")."""
+    return ieee.ftz(x.astype(F32))
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -106,13 +113,19 @@ def e2m1_rne_codes(y: jax.Array) -> jax.Array:
 
 def e2m1_sr_codes(y: jax.Array, key: jax.Array) -> jax.Array:
     """Stochastic rounding to E2M1 codes: only to the two neighbours, up with probability (|y| - lo) / step."""
-    y = _e2m1_saturate(y)
+    y = _e2m1_saturate(ieee.ftz(y))  # a subnormal |y| has a fractional part only without FTZ
     a = jnp.abs(y)
     inv_step, offset = _e2m1_binade(a)
-    scaled = a * inv_step  # exact: inv_step is a power of two
+    scaled = ieee.rounded(a * inv_step)  # exact (a power of two); rounded: no FMA into `scaled - lo`
     lo = jnp.floor(scaled)
-    u = jax.random.uniform(key, y.shape, F32)
-    return _codes(y, lo + (u < scaled - lo).astype(F32), offset)
+    return _codes(y, lo + (_uniform01(key, y.shape) < scaled - lo).astype(F32), offset)
+
+
+def _uniform01(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """jax.random.uniform(key, shape) in [0, 1), bit for bit, without its affine map `u * (max - min) + min`
+    (an exact multiply-add for [0, 1), but one a GPU compiler may contract: see quant/ieee.py)."""
+    bits = jax.random.bits(key, shape, jnp.uint32)
+    return jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), F32) - jnp.float32(1.0)
 
 
 def e2m1_decode(codes: jax.Array) -> jax.Array:
@@ -268,13 +281,13 @@ class NVFP4Tensor(PackedFP4):
         amax = self.amax.astype(F32)
         if self.scaling != "row":  # "row": amax [..., 1] broadcasts over the row's blocks
             amax = _bcast_factor(amax, s.ndim)  # scalar, or [E] under vmap -> [E, 1, 1]
-        return (s * amax) * jnp.float32(NVFP4_DECODE_FACTOR)
+        return ieee.ftz(ieee.ftz(s * amax) * jnp.float32(NVFP4_DECODE_FACTOR))
 
     @_compiled("dtype")
     def dequantize(self, dtype=F32) -> jax.Array:
         """TE's dequantize, bit for bit: e2m1(q) * block_decode_factor() in float32, then cast to dtype."""
         e = _blocks(e2m1_decode(self.codes), NVFP4_BLOCK)  # [..., K/16, 16]
-        return (e * self.block_decode_factor()[..., None]).reshape(self.shape).astype(dtype)
+        return ieee.ftz(e * self.block_decode_factor()[..., None]).reshape(self.shape).astype(dtype)
 
 
 @struct.dataclass
@@ -291,8 +304,8 @@ class MXFP8Tensor:
     @_compiled("dtype")
     def dequantize(self, dtype=F32) -> jax.Array:
         q = _blocks(self.data.astype(F32), MXFP8_BLOCK)
-        s = self.scale.astype(F32)[..., None]
-        return (q * s).reshape(self.data.shape).astype(dtype)
+        s = ieee.ftz(self.scale.astype(F32))[..., None]  # code 0 is the subnormal 2^-127
+        return ieee.ftz(q * s).reshape(self.data.shape).astype(dtype)
 
 
 @struct.dataclass
@@ -308,8 +321,8 @@ class FP8Tensor:
 
     @_compiled("dtype")
     def dequantize(self, dtype=F32) -> jax.Array:
-        s = _bcast_factor(self.scale.astype(F32), self.data.ndim)
-        return (self.data.astype(F32) * s).astype(dtype)
+        s = _bcast_factor(ieee.ftz(self.scale.astype(F32)), self.data.ndim)
+        return ieee.ftz(self.data.astype(F32) * s).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,7 +389,7 @@ class MXFP4Tensor(PackedFP4):
 
     def block_values(self) -> jax.Array:
         """e2m1(q) * 2^(e - 127) in float32 [..., K]: the exact values (exactly representable in bfloat16)."""
-        e = _blocks(e2m1_decode(self.codes), MXFP4_BLOCK) * self.decoded_scale()[..., None]
+        e = ieee.ftz(_blocks(e2m1_decode(self.codes), MXFP4_BLOCK) * ieee.ftz(self.decoded_scale())[..., None])
         return e.reshape(self.shape)
 
     def block_values_t(self) -> jax.Array:
@@ -391,7 +404,7 @@ class MXFP4Tensor(PackedFP4):
 def _mxfp4_check(x, rounding: str, what: str) -> jax.Array:
     _check_rounding(rounding, what)
     _check_input(x, MXFP4_BLOCK, what)
-    return x.astype(F32)
+    return _as_input(x)
 
 
 @_compiled("rounding", "name", "debug")
@@ -415,7 +428,7 @@ def _mxfp4_kn_codes(w: jax.Array, rounding: str, what: str) -> tuple[jax.Array, 
     _check_rounding(rounding, what)
     _check_input(jnp.swapaxes(w, -1, -2), MXFP4_BLOCK, f"{what} (w^T)", min_rank=2)
     *lead, k, n = w.shape
-    wb = w.astype(F32).reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
+    wb = _as_input(w).reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
     e = _mxfp4_exponent(jnp.max(_nan_to_zero_abs(wb), axis=-2), rounding)
     return e2m1_rne_codes(wb * _pow2_neg_biased(e)[..., None, :]).reshape(w.shape), e
 
@@ -437,7 +450,7 @@ def mxfp4_fake_quant(x: jax.Array, rounding: str = "floor") -> jax.Array:
     x = _mxfp4_check(x, rounding, "mxfp4_fake_quant")
     xb = _blocks(x, MXFP4_BLOCK)
     e = _mxfp4_exponent(jnp.max(_nan_to_zero_abs(xb), axis=-1), rounding)
-    v = _e2m1_rne_values(xb * _pow2_neg_biased(e)[..., None]) * _pow2_biased(e)[..., None]
+    v = ieee.ftz(_e2m1_rne_values(xb * _pow2_neg_biased(e)[..., None]) * ieee.ftz(_pow2_biased(e))[..., None])
     return v.reshape(x.shape)
 
 
@@ -447,16 +460,29 @@ def mxfp4_fake_quant_kn(w: jax.Array, rounding: str = "floor") -> jax.Array:
     _check_rounding(rounding, "mxfp4_fake_quant_kn")
     _check_input(jnp.swapaxes(w, -1, -2), MXFP4_BLOCK, "mxfp4_fake_quant_kn (w^T)", min_rank=2)
     *lead, k, n = w.shape
-    wb = w.astype(F32).reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
+    wb = _as_input(w).reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
     e = _mxfp4_exponent(jnp.max(_nan_to_zero_abs(wb), axis=-2), rounding)[..., None, :]
-    return (_e2m1_rne_values(wb * _pow2_neg_biased(e)) * _pow2_biased(e)).reshape(w.shape)
+    return ieee.ftz(_e2m1_rne_values(wb * _pow2_neg_biased(e)) * ieee.ftz(_pow2_biased(e))).reshape(w.shape)
 
 
 def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
-    """Encode scale S = min(2688 / amax, FLT_MAX), with S = 1 where amax == 0 or S == 0."""
+    """Encode scale S = min(2688 / amax, FLT_MAX), with S = 1 where amax == 0 or S == 0 (IEEE division: ieee.div)."""
     amax = amax.astype(F32)
-    s = jnp.minimum(jnp.float32(NVFP4_RANGE) / amax, FLT_MAX)
+    s = jnp.minimum(ieee.div(jnp.float32(NVFP4_RANGE), amax), FLT_MAX)
     return jnp.where((amax == 0) | (s == 0), jnp.float32(1.0), s)
+
+
+def nvfp4_global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(encode scale S, S_dec = 1 / S): the tensor-level factors every NVFP4 quantizer derives from amax."""
+    s_enc = nvfp4_global_scale(amax)
+    return s_enc, ieee.recip(s_enc)
+
+
+def nvfp4_block_scales(ba: jax.Array, s_enc: jax.Array, s_dec: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(E4M3 block scale as float32, its code, element multiplier inv) from block amaxes ba, in TE's order:
+    s = e4m3(min(ba * (S * (1/6)), 448)) (TE folds 1/6 into S first), inv = min(1 / (s * S_dec), FLT_MAX)."""
+    scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
+    return scale_f32, code, jnp.minimum(ieee.recip(scale_f32 * s_dec), FLT_MAX)
 
 
 def nvfp4_decode_factor(amax: jax.Array) -> jax.Array:
@@ -464,7 +490,7 @@ def nvfp4_decode_factor(amax: jax.Array) -> jax.Array:
     constant is compiled as a multiplication by its float32 reciprocal, an ulp off the true quotient for ~1/4 of
     inputs); written out, eager and compiled calls agree. 1 where amax == 0."""
     amax = jnp.asarray(amax).astype(F32)
-    return jnp.where(amax == 0, jnp.float32(1.0), amax * jnp.float32(NVFP4_DECODE_FACTOR))
+    return jnp.where(amax == 0, jnp.float32(1.0), ieee.ftz(amax * jnp.float32(NVFP4_DECODE_FACTOR)))
 
 
 def nvfp4_block_amax(x: jax.Array, scaling: Scaling) -> jax.Array:
@@ -482,7 +508,9 @@ def amax_from_blocks(ba: jax.Array, scaling: Scaling) -> jax.Array:
     # max(ba, 0) == ba; it stops XLA from merging the two reductions into one over |x|, which would then
     # materialize |x| in float32 for its two consumers.
     ba = jnp.maximum(ba, jnp.float32(0.0))
-    return jnp.max(ba, axis=-1, keepdims=True) if scaling == "row" else jnp.max(ba)
+    amax = jnp.max(ba, axis=-1, keepdims=True) if scaling == "row" else jnp.max(ba)
+    # On a CPU the max of subnormals (all counting as zero) can be any of them; the stored amax is then 0.
+    return ieee.flush_subnormals(amax)
 
 
 def nvfp4_encode_blocks(
@@ -492,10 +520,8 @@ def nvfp4_encode_blocks(
 
     ba: block amax [..., nb]; s_enc, s_dec: global encode / decode scales broadcastable to ba.
     """
-    # TE folds 1/6 into S first: ba * (S * (1/6)).
-    scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
+    _, code, inv = nvfp4_block_scales(ba, s_enc, s_dec)
     scale = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
-    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)
     # Even and odd elements are rounded apart and or-ed into bytes: XLA:CPU vectorizes this form (the
     # reshape-to-pairs form runs ~15x slower).
     y_even, y_odd = xb[..., 0::2] * inv[..., None], xb[..., 1::2] * inv[..., None]
@@ -519,10 +545,10 @@ def nvfp4_prepare(
             f"{what}(scaling='tile2d'): second-to-last dim of shape {x.shape} is {x.shape[-2]}, "
             f"not a multiple of {NVFP4_BLOCK}"
         )
-    x = x.astype(F32)
+    x = _as_input(x)
     if amax is None:
         return x, None
-    amax = jnp.asarray(amax, F32)
+    amax = ieee.flush_subnormals(jnp.asarray(amax, F32))
     want = x.shape[:-1] + (1,) if scaling == "row" else ()
     if scaling == "row" and amax.ndim == 0:
         amax = jnp.broadcast_to(amax, want)
@@ -553,8 +579,7 @@ def quantize_nvfp4(
     ba = nvfp4_block_amax(x, scaling)
     if amax is None:
         amax = amax_from_blocks(ba, scaling)
-    s_enc = nvfp4_global_scale(amax)
-    s_dec = jnp.float32(1.0) / s_enc  # "row": [..., 1], broadcasts over the row's blocks
+    s_enc, s_dec = nvfp4_global_scales(amax)  # "row": [..., 1], broadcast over the row's blocks
     packed, scale = nvfp4_encode_blocks(_blocks(x, NVFP4_BLOCK), ba, s_enc, s_dec, sr_key)
     return NVFP4Tensor(packed=packed, scale=scale, amax=amax, scaling=scaling)
 
@@ -570,7 +595,7 @@ def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str 
     _check_input(jnp.swapaxes(w, -1, -2), NVFP4_BLOCK, f"{what} (w^T)", min_rank=2)
     if scaling == "tile2d" and w.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"{what}(scaling='tile2d'): N of shape {w.shape} is not a multiple of 16")
-    w = w.astype(F32)
+    w = _as_input(w)
     report_nonfinite(w, "quantize_nvfp4", name, debug)
     *lead, k, n = w.shape
     nb = k // NVFP4_BLOCK
@@ -580,11 +605,8 @@ def _nvfp4_kn_block_scales(w: jax.Array, scaling: Scaling, what: str, name: str 
         t = ba.reshape(*lead, nb, n // NVFP4_BLOCK, NVFP4_BLOCK)
         ba = jnp.broadcast_to(jnp.max(t, axis=-1, keepdims=True), t.shape).reshape(ba.shape)
     amax = amax_from_blocks(ba, "tensor")
-    s_enc = nvfp4_global_scale(amax)
-    s_dec = jnp.float32(1.0) / s_enc
-    scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
-    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)[..., None, :]
-    return wb, amax, inv, scale_f32, code
+    scale_f32, code, inv = nvfp4_block_scales(ba, *nvfp4_global_scales(amax))
+    return wb, amax, inv[..., None, :], scale_f32, code
 
 
 @_compiled("scaling", "name", "debug")
@@ -611,12 +633,12 @@ def quantize_nvfp4_kn(
 def quantize_mxfp8_kn(w: jax.Array, *, name: str = "", debug: bool | str = False) -> MXFP8Tensor:
     """MXFP8 of w^T for a weight w[..., K, N]: bit-identical to quantize_mxfp8(swapaxes(w, -1, -2))."""
     _check_input(jnp.swapaxes(w, -1, -2), MXFP8_BLOCK, "quantize_mxfp8_kn (w^T)", min_rank=2)
-    w = w.astype(F32)
+    w = _as_input(w)
     report_nonfinite(w, "quantize_mxfp8", name, debug)
     *lead, k, n = w.shape
     wb = w.reshape(*lead, k // MXFP8_BLOCK, MXFP8_BLOCK, n)
     amax = jnp.max(_nan_to_zero_abs(wb), axis=-2)
-    e = _e8m0_rceil(amax * jnp.float32(1.0 / E4M3_MAX))
+    e = _e8m0_rceil(ieee.ftz(amax * jnp.float32(1.0 / E4M3_MAX)))
     q = e4m3_cast(wb * _pow2_neg_biased(e)[..., None, :]).reshape(*lead, k, n)
     scale = jax.lax.bitcast_convert_type(e.astype(jnp.uint8), jnp.float8_e8m0fnu)
     return MXFP8Tensor(data=jnp.swapaxes(q, -1, -2), scale=jnp.swapaxes(scale, -1, -2))
@@ -627,7 +649,8 @@ def _e2m1_rne_values(y: jax.Array) -> jax.Array:
     y = _e2m1_saturate(y)
     a = jnp.abs(y)
     inv_step, _ = _e2m1_binade(a)
-    return jnp.copysign(jnp.round(a * inv_step) / inv_step, y)
+    step = jnp.where(a >= 4.0, jnp.float32(2.0), jnp.where(a >= 2.0, jnp.float32(1.0), jnp.float32(0.5)))
+    return jnp.copysign(jnp.round(a * inv_step) * step, y)  # powers of two: exact (no division, see ieee.py)
 
 
 @_compiled("scaling")
@@ -641,10 +664,7 @@ def nvfp4_fake_quant(
     ba = nvfp4_block_amax(x, scaling)
     if amax is None:
         amax = amax_from_blocks(ba, scaling)
-    s_enc = nvfp4_global_scale(amax)
-    s_dec = jnp.float32(1.0) / s_enc
-    scale_f32, _ = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
-    inv = jnp.minimum(jnp.float32(1.0) / (scale_f32 * s_dec), FLT_MAX)
+    scale_f32, _, inv = nvfp4_block_scales(ba, *nvfp4_global_scales(amax))
     v = _e2m1_rne_values(_blocks(x, NVFP4_BLOCK) * inv[..., None]) * scale_f32[..., None]
     g = nvfp4_decode_factor(amax)
     return v.reshape(x.shape), g
@@ -686,7 +706,7 @@ def _pow2_neg_biased(e: jax.Array) -> jax.Array:
 def mxfp8_encode_blocks(xb: jax.Array, rounding: str = "rceil") -> tuple[jax.Array, jax.Array]:
     """The per-block MXFP8 core shared by every backend: blocks [..., nb, 32] -> (E4M3 data, biased exponent u8)."""
     amax = jnp.max(_nan_to_zero_abs(xb), axis=-1)
-    e = _e8m0_rceil(amax * jnp.float32(1.0 / E4M3_MAX)) if rounding == "rceil" else _e8m0_floor(amax)
+    e = _e8m0_rceil(ieee.ftz(amax * jnp.float32(1.0 / E4M3_MAX))) if rounding == "rceil" else _e8m0_floor(amax)
     q = e4m3_cast(xb * _pow2_neg_biased(e)[..., None])
     return q, e.astype(jnp.uint8)
 
@@ -702,7 +722,7 @@ def quantize_mxfp8(
     if rounding not in ("rceil", "floor"):
         raise ValueError(f"quantize_mxfp8: unknown rounding {rounding!r}; expected 'rceil' or 'floor'")
     _check_input(x, MXFP8_BLOCK, "quantize_mxfp8")
-    x = x.astype(F32)
+    x = _as_input(x)
     report_nonfinite(x, "quantize_mxfp8", name, debug)
     q, e = mxfp8_encode_blocks(_blocks(x, MXFP8_BLOCK), rounding)
     scale = jax.lax.bitcast_convert_type(e, jnp.float8_e8m0fnu)
@@ -715,13 +735,13 @@ def quantize_fp8(
 ) -> FP8Tensor:
     """Per-tensor E4M3 with scale = amax / 448 (or a fixed calibrated scale); used for the KV cache."""
     _check_input(x, 1, "quantize_fp8")
-    x = x.astype(F32)
+    x = _as_input(x)
     report_nonfinite(x, "quantize_fp8", name, debug)
     if scale is None:
         amax = jnp.max(_nan_to_zero_abs(x))
-        scale = jnp.where(amax == 0, jnp.float32(1.0), amax * jnp.float32(1.0 / E4M3_MAX))  # as compiled
+        scale = jnp.where(amax == 0, jnp.float32(1.0), ieee.ftz(amax * jnp.float32(1.0 / E4M3_MAX)))  # as compiled
     scale = jnp.asarray(scale, F32)
-    return FP8Tensor(data=e4m3_cast(x / scale), scale=scale)
+    return FP8Tensor(data=e4m3_cast(ieee.div(x, scale)), scale=scale)  # IEEE division on every backend
 
 
 def pack_fp4(data: jax.Array) -> jax.Array:
@@ -747,19 +767,35 @@ def e2m1_codes(data: jax.Array) -> jax.Array:
     return fp4_to_codes(data)
 
 
+def _rht_signs(sign_seed: int) -> np.ndarray:
+    """The fixed +-1 vector s of the random Hadamard transform (numpy's generator: the same on every backend)."""
+    return np.where(np.random.default_rng(sign_seed).random(16) < 0.5, -1.0, 1.0).astype(np.float32)
+
+
 def hadamard16(sign_seed: int = 0) -> jax.Array:
     """The 16-point random Hadamard transform H = diag(s) * H16 / 4 (orthogonal), s a fixed +-1 vector."""
     h = np.array([[1.0]], np.float32)
     for _ in range(4):
         h = np.block([[h, h], [h, -h]])
-    s = np.where(np.random.default_rng(sign_seed).random(16) < 0.5, -1.0, 1.0).astype(np.float32)
-    return jnp.asarray(s[:, None] * h / 4.0)
+    return jnp.asarray(_rht_signs(sign_seed)[:, None] * h / 4.0)
 
 
 def rht16(x: jax.Array, axis: int = -1, sign_seed: int = 0) -> jax.Array:
-    """Apply H to each 16-block along `axis`: (H x_blk). Applied to both wgrad operands it cancels (H^T H = I)."""
+    """Apply H (hadamard16) to each 16-block along `axis`. Applied to both wgrad operands it cancels (H^T H = I).
+
+    Computed as a fast Walsh-Hadamard transform, four butterfly stages (a, b) -> (a + b, a - b) at strides 8, 4,
+    2, 1 (Sylvester's H16), then the exact scaling by s/4: elementwise adds in a fixed order, where a dot would
+    sum 16 products in its backend's order (XLA:CPU's and cuBLAS's float32 sums round differently). The input is
+    rounded first (ieee.rounded), so no producer's multiply is contracted into the first adds as an FMA, and
+    float32 subnormals are flushed at every stage, as XLA:CPU does (ieee.ftz).
+    """
     xm = jnp.moveaxis(x, axis, -1)
     _check_input(xm, NVFP4_BLOCK, f"rht16(axis={axis})")
-    h = hadamard16(sign_seed)
-    y = jnp.einsum("...bi,ji->...bj", _blocks(xm.astype(F32), NVFP4_BLOCK), h, precision="highest")
+    v = ieee.rounded(_blocks(_as_input(xm), NVFP4_BLOCK))
+    lead = v.shape[:-1]
+    for h in (8, 4, 2, 1):
+        pairs = v.reshape(*lead, NVFP4_BLOCK // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        v = ieee.ftz(jnp.stack([a + b, a - b], axis=-2).reshape(*lead, NVFP4_BLOCK))  # a cancellation can be tiny
+    y = ieee.ftz(v * jnp.asarray(_rht_signs(sign_seed) / 4.0))
     return jnp.moveaxis(y.reshape(xm.shape), -1, axis).astype(x.dtype)

@@ -1,0 +1,163 @@
+"""Backend-independent quantizer numerics, checked on the CPU (docs/numerics.md, "GPU").
+
+- `ieee.div_rn` is IEEE 754 division, bit for bit against NumPy, subnormals, ties and special values included.
+- The quantizers with the portable division that every non-CPU backend runs give the CPU's bits on every case
+  of tests/quant_cases.py.
+- The guard for a GPU lowering that this machine can reach: every quantizer exported for CUDA (`jax.export`,
+  platforms=["cuda"]; the CPU build of jaxlib lowers for CUDA) holds no float division (XLA:GPU's is not
+  correctly rounded) and no float add or subtract fed by a float multiply (what the GPU compiler contracts into
+  an FMA, one rounding instead of two). What happens below StableHLO (PTX) needs a GPU: tests/test_gpu.py.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import quant_cases
+from triage_jax.quant import formats as fmt
+from triage_jax.quant import ieee
+
+F32 = np.float32
+
+
+def _np_div(a, b):
+    with np.errstate(all="ignore"):
+        return (a / b).astype(F32)
+
+
+def _assert_ieee(a, b):
+    a, b = np.broadcast_arrays(np.asarray(a, F32), np.asarray(b, F32))
+    got = np.asarray(jax.jit(ieee.div_rn)(a, b))
+    want = _np_div(a, b)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), list(zip(a[~same][:5], b[~same][:5], want[~same][:5], got[~same][:5]))
+
+
+def _random_floats(rng, n, lo=0, hi=2**32):
+    return rng.integers(lo, hi, n, dtype=np.uint64).astype(np.uint32).view(F32)
+
+
+def test_div_rn_is_ieee_division_on_random_bits_and_ranges():
+    rng = np.random.default_rng(0)
+    n = 1 << 17
+    _assert_ieee(_random_floats(rng, n), _random_floats(rng, n))  # every exponent, NaN and Inf included
+    _assert_ieee(rng.standard_normal(n), rng.standard_normal(n))
+    _assert_ieee(rng.standard_normal(n) * 1e-30, rng.standard_normal(n) * 1e10)  # subnormal results
+    sub = rng.integers(1, 2**23, n).astype(np.uint32).view(F32)
+    _assert_ieee(sub, rng.standard_normal(n))  # subnormal operands
+    _assert_ieee(rng.standard_normal(n), sub)
+    _assert_ieee(rng.standard_normal(n) * 1e30, rng.standard_normal(n) * 1e-10)  # overflow to Inf
+    positive = _random_floats(rng, n, 0, 0x7F800000)
+    _assert_ieee(np.full(n, 2688.0), positive)  # the NVFP4 encode scale
+    _assert_ieee(np.ones(n), positive)  # S_dec and the block multipliers
+
+
+def test_div_rn_ties_and_special_values():
+    k = np.arange(1, 1 << 14, dtype=np.uint32).view(F32)  # k * 2^-149: exact halves after a division
+    for d in (2.0, 4.0, 3.0, 0.5, 1.5, 2.0**-20, 2.0**30):
+        _assert_ieee(k, np.full(k.shape, d))
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, 2688.0, 1e-45, -1e-45,
+                        np.finfo(F32).max, np.finfo(F32).tiny, 6.0, 448.0], F32)
+    a, b = np.meshgrid(special, special)
+    _assert_ieee(a.ravel(), b.ravel())
+
+
+def _flush(a):
+    a = np.asarray(a, F32)
+    return np.where(np.abs(a) < np.finfo(F32).tiny, np.copysign(F32(0), a), a).astype(F32)
+
+
+def test_div_is_the_cpu_division_on_every_backend():
+    """ieee.div is XLA:CPU's division (IEEE, subnormals flushed: FTZ/DAZ); div_flushed, what the other backends
+    run, gives the same bits here on every exponent, subnormals included."""
+    rng = np.random.default_rng(1)
+    a, b = _random_floats(rng, 1 << 15), _random_floats(rng, 1 << 15)
+    a[:4096] = rng.integers(0, 2**23, 4096).astype(np.uint32).view(F32) * rng.choice([-1, 1], 4096)  # subnormal
+    b[4096:8192] = rng.standard_normal(4096) * 1e37  # subnormal quotients
+    want = _flush(_np_div(_flush(a), _flush(b)))
+    for fn in (ieee.div, ieee.div_flushed):
+        got = np.asarray(jax.jit(fn)(a, b))
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (fn.__name__, a[~same][:4], b[~same][:4], want[~same][:4], got[~same][:4])
+
+
+def test_flush_subnormals_keeps_everything_else():
+    x = np.array([1e-40, -1e-40, 1e-45, np.finfo(F32).tiny, -np.finfo(F32).tiny, 0.0, -0.0, 1.0, np.inf, np.nan], F32)
+    got = np.asarray(jax.jit(ieee.flush_subnormals)(x))
+    assert list(got.view(np.uint32)) == list(_flush(x).view(np.uint32))
+
+
+@pytest.mark.parametrize("case", sorted(quant_cases.inputs()))
+def test_portable_division_gives_the_cpu_bits(case):
+    x = jnp.asarray(quant_cases.inputs()[case])
+    native = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ieee, "div", ieee.div_rn)
+        portable = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
+    jax.clear_caches()
+    bad = [op for op in quant_cases.OPS
+           if not all(np.array_equal(quant_cases.bits(a), quant_cases.bits(b))
+                      for a, b in zip(native[op], portable[op], strict=True))]
+    assert not bad, f"{case}: the portable division changes the bits of {bad}"
+
+
+_DEF = re.compile(r'^\s*(%[\w#:]+) = "?(stablehlo\.\w+|func\.call @\w+|call @\w+)"?(.*)$')
+_FLOAT = re.compile(r"x(f16|bf16|f32|f64)>|<(f16|bf16|f32|f64)>")
+
+
+def cuda_hazards(fn, *args) -> dict[str, list[str]]:
+    """The float divisions, and the float adds / subtracts with an operand a float multiply produced, of fn's
+    program exported for CUDA (StableHLO text; every function of the module, branches and callees included)."""
+    text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    defs, out = {}, {"divide": [], "multiply_add": []}
+    for line in text.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        defs[name] = op
+        result_type = rest.rsplit(":", 1)[-1]
+        if not _FLOAT.search(result_type):
+            continue
+        if op == "stablehlo.divide":
+            out["divide"].append(line.strip()[:160])
+        if op in ("stablehlo.add", "stablehlo.subtract"):
+            operands = re.findall(r"%[\w#:]+", rest.rsplit(":", 1)[0])
+            if any(defs.get(a) == "stablehlo.multiply" for a in operands):
+                out["multiply_add"].append(line.strip()[:160])
+    return out
+
+
+def test_the_guard_sees_what_it_guards_against():
+    x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    h = cuda_hazards(lambda a: a * a + a / 3.0 + jnp.float32(2.0) / a, x)
+    assert len(h["divide"]) == 2 and len(h["multiply_add"]) == 1
+    assert cuda_hazards(lambda a: ieee.rounded(a * a) + ieee.div(a, a + 1.0), x) == {"divide": [], "multiply_add": []}
+
+
+@pytest.mark.parametrize("op", sorted(quant_cases.OPS))
+def test_cuda_program_has_no_division_and_no_contractible_multiply_add(op):
+    h = cuda_hazards(quant_cases.OPS[op], jax.ShapeDtypeStruct((64, 256), jnp.float32))
+    assert h == {"divide": [], "multiply_add": []}, h
+
+
+def test_rht16_is_the_butterfly_order_bit_for_bit():
+    """rht16's bits are those of its butterflies (strides 8, 4, 2, 1, then s/4) in float32, whatever backend."""
+    x = (np.random.default_rng(3).standard_normal((64, 48)) * 2.0 ** np.arange(-24, 24)[None, :]).astype(F32)
+    h = np.asarray(fmt.hadamard16())
+    signs_over_4 = h[:, 0]  # Sylvester's H16 has a first column of ones: column 0 of H is s / 4
+    v = x.T.reshape(48, 4, 16)
+    for stride in (8, 4, 2, 1):
+        p = v.reshape(48, 4, 16 // (2 * stride), 2, stride)
+        v = np.stack([p[..., 0, :] + p[..., 1, :], p[..., 0, :] - p[..., 1, :]], axis=-2).reshape(48, 4, 16)
+    want = np.ascontiguousarray((v * signs_over_4).reshape(48, 64).T)
+    got = np.asarray(jax.jit(lambda a: fmt.rht16(a, axis=0))(x))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    ref = np.einsum("ji,bik->bjk", h.astype(np.float64), x.astype(np.float64).reshape(4, 16, 48)).reshape(64, 48)
+    scale = np.abs(ref).max(axis=0)  # columns span 2^-24 .. 2^23: compare each against its own magnitude
+    assert (np.abs(got - ref) <= 1e-6 * scale).all()

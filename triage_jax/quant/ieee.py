@@ -1,0 +1,140 @@
+"""Correctly rounded float32 division in integer arithmetic: the same bits on every XLA backend.
+
+XLA:GPU compiles a float32 division to PTX `div.full.f32` (up to 2 ulp off; 14-29% of random quotients differ
+from IEEE), TPUs divide through a reciprocal, and every backend's algebraic simplifier turns a division by a
+constant into a multiplication by its rounded reciprocal. The quantizers' scale arithmetic divides (TE's kernels
+use IEEE division), so `div_rn` computes the IEEE 754 round-to-nearest-even quotient from the operands' bits with
+integer operations only, which every backend executes exactly (docs/numerics.md, "GPU"). Subnormal operands and
+results are kept (no flush to zero), overflow rounds to infinity, and the special cases are IEEE's; a NaN result is
+the canonical quiet NaN (payloads are not propagated).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+U32 = jnp.uint32
+I32 = jnp.int32
+_EXP_MASK = 0xFF
+_FRAC_MASK = 0x7FFFFF
+_HIDDEN = 0x800000
+_QNAN = 0x7FC00000
+_INF = 0x7F800000
+
+
+def _unpack(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(bits, biased exponent field, significand normalized to [2^23, 2^24), unbiased exponent of that significand).
+
+    A subnormal's significand is shifted up to the normal range and its exponent lowered to match (zero gives
+    garbage here; callers treat it as a special case).
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), U32)
+    ef = (bits >> 23) & _EXP_MASK
+    frac = bits & _FRAC_MASK
+    sub_shift = jax.lax.clz(frac) - U32(8)  # a subnormal's leading one moves to bit 23
+    normal = ef != 0
+    sig = jnp.where(normal, frac | _HIDDEN, frac << jnp.where(normal, U32(0), sub_shift))
+    exp = jnp.where(normal, ef.astype(I32) - 127, -126 - sub_shift.astype(I32))
+    return bits, ef, sig, exp
+
+
+def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b in float32, rounded to nearest even exactly as IEEE 754 divides (broadcasting like `a / b`)."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    ua, ea, ma, xa = _unpack(a)
+    ub, eb, mb, xb = _unpack(b)
+    sign = (ua ^ ub) & U32(0x80000000)
+    a_nan = (ea == _EXP_MASK) & ((ua & _FRAC_MASK) != 0)
+    b_nan = (eb == _EXP_MASK) & ((ub & _FRAC_MASK) != 0)
+    a_inf = (ea == _EXP_MASK) & ~a_nan
+    b_inf = (eb == _EXP_MASK) & ~b_nan
+    a_zero = (ua & U32(0x7FFFFFFF)) == 0
+    b_zero = (ub & U32(0x7FFFFFFF)) == 0
+
+    # Significand quotient ma2 / mb in [1, 2): shift ma up once when it is the smaller one.
+    lt = ma < mb
+    ma2 = jnp.where(lt, ma << 1, ma)  # < 2^25
+    exp = xa - xb - lt.astype(I32)  # unbiased exponent of the quotient
+    # Q = floor(ma2 * 2^25 / mb) in [2^25, 2^26) by long division, 8 quotient bits per step (the partial
+    # remainder stays below mb < 2^24, so r << 8 fits in 32 bits), plus a sticky bit for a non-zero remainder.
+    q, r = U32(1), ma2 - mb
+    for width in (8, 8, 8, 1):
+        r = r << width
+        d = r // mb
+        q, r = (q << width) | d, r - d * mb
+    sticky = r != 0
+
+    # Q's unit is 2^(exp - 25). The result's last place is 2^(exp - 23) when it is normal (shift 2) and 2^-149
+    # when it is subnormal (shift -exp - 124 > 2); shifts past 29 leave only rounding bits that cannot round up.
+    shift = jnp.clip(-exp - 124, 2, 29).astype(U32)
+    mant = q >> shift
+    rem = q & ((U32(1) << shift) - 1)
+    half = U32(1) << (shift - 1)
+    up = (rem > half) | ((rem == half) & (sticky | ((mant & 1) == 1)))
+    mant = mant + up.astype(U32)
+    # A normal result carries its hidden bit in mant, so the biased exponent field gets exp + 127 - 1 and the
+    # hidden bit adds the 1 back (a rounding carry to 2^24 moves it up once more); a subnormal gets field 0, and a
+    # carry to 2^23 makes it the smallest normal.
+    biased = exp + 127
+    field = jnp.maximum(biased - 1, 0)
+    overflow = biased >= 255
+    body = jnp.where(overflow, U32(_INF), (field.astype(U32) << 23) + mant)
+    body = jnp.minimum(body, U32(_INF))  # a carry out of the largest binade rounds to infinity
+
+    nan = a_nan | b_nan | (a_zero & b_zero) | (a_inf & b_inf)
+    inf = (a_inf | b_zero) & ~nan
+    zero = (a_zero | b_inf) & ~nan
+    out = jnp.where(inf, U32(_INF), jnp.where(zero, U32(0), body)) | sign
+    out = jnp.where(nan, U32(_QNAN), out)
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
+def flush_subnormals(x: jax.Array) -> jax.Array:
+    """x with float32 subnormals replaced by zeros of their sign, in integer operations (exact everywhere).
+
+    XLA:CPU runs its programs with denormals flushed (FTZ and DAZ: a subnormal operand counts as zero, a subnormal
+    result becomes zero), as TPUs do; XLA:GPU keeps them (IEEE, like Transformer Engine's kernels). The quantizers
+    flush explicitly where a subnormal can arise (docs/numerics.md, "GPU"), so all backends agree.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, U32)
+    sub = (bits & U32(0x7F800000)) == 0
+    return jax.lax.bitcast_convert_type(jnp.where(sub, bits & U32(0x80000000), bits), jnp.float32)
+
+
+def ftz(x: jax.Array) -> jax.Array:
+    """flush_subnormals where the backend keeps subnormals; on XLA:CPU, which flushes every float operation's
+    operands and results itself, x unchanged (no extra pass). Use it on the result of a float operation."""
+    x = jnp.asarray(x, jnp.float32)
+    return jax.lax.platform_dependent(x, cpu=lambda v: v, default=flush_subnormals)
+
+
+def div_flushed(a: jax.Array, b: jax.Array) -> jax.Array:
+    """XLA:CPU's division on any backend: IEEE division of the operands with subnormals flushed, result flushed."""
+    return flush_subnormals(div_rn(flush_subnormals(a), flush_subnormals(b)))
+
+
+def div(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b as XLA:CPU divides, on every backend: correctly rounded (IEEE), subnormal operands and results
+    flushed to zero. On a CPU that is its own float32 division (LLVM `fdiv` under FTZ/DAZ, ~1.5x faster there than
+    div_rn's integer long division); elsewhere div_rn between flushes (one program picks its branch by the
+    platform it is lowered for). Divisors here are data: XLA rewrites only a division by a compile-time constant
+    as a multiplication by its reciprocal."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=div_flushed)
+
+
+def recip(b: jax.Array) -> jax.Array:
+    """1 / b, as `div`."""
+    return div(jnp.float32(1.0), b)
+
+
+def rounded(x: jax.Array) -> jax.Array:
+    """x rounded to its dtype where it stands, so that no later add can absorb its last operation as an FMA.
+
+    XLA's CPU and GPU backends contract a multiply feeding an add into a fused multiply-add wherever both land in
+    one fusion (one rounding instead of two), and fusions depend on the whole program. copysign(|x|, x) is x for
+    every x (NaN, signed zeros), elementwise, and no contraction looks through it (tests/test_exact.py).
+    """
+    return jnp.copysign(jnp.abs(x), x) if jnp.issubdtype(x.dtype, jnp.floating) else x
