@@ -12,13 +12,14 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from triage_jax.rl.diagnostics import (DELTA_HIST_EDGES, QUADRANTS, delta_energy, delta_energy_realized,
-                                       delta_histogram, masked_quantiles, mismatch_metrics)
+from triage_jax.rl import diagnostics
+from triage_jax.rl.diagnostics import (DELTA_HIST_EDGES, NULL_METRICS, QUADRANTS, delta_energy,
+                                       delta_energy_realized, delta_histogram, masked_quantiles, mismatch_metrics)
 from triage_jax.rl.corrections import CORRECTIONS, apply_correction, make_config
 from triage_jax.rl.triage import TriageConfig, gate_weights
 
 SPEC_NAMES = {"mean_abs_delta", "frac_small", "delta_q05", "delta_q50", "delta_q95", "kl_k1", "kl_k3", "chi2_token",
-              "rho_asym", "tail_freq", "tail_top5_share", "tail_concentration", "tail_persistence", "hidden_by_mean",
+              "rho_asym", "rho_asym_direction", "tail_freq", "tail_top5_share", "tail_concentration", "tail_persistence", "hidden_by_mean",
               "energy", "b_amp", "b_con"} | {f"quad_{k}_{q}" for k in ("tok", "mass") for q in QUADRANTS}
 PEER_NAMES = {"chi2_seq", "rho_seq_q05", "rho_seq_q50", "rho_seq_q95", "ess_token", "ess_seq",
               "token_mult_prob_error"} | {f"frac_corrected_{c}" for c in CORRECTIONS if c != "none"}
@@ -58,6 +59,10 @@ def ref_metrics(adv, delta, mask, cfg, weights):
         out[f"quad_mass_{q}"] = np.abs(a[s & m]).sum() / mass_total if mass_total else np.nan
     pp = np.abs(a[sel["Apos_dpos"] & m]).sum()
     out["rho_asym"] = np.abs(a[sel["Aneg_dneg"] & m]).sum() / pp if pp else np.nan
+    mass = {q: np.abs(a[s & m]).sum() for q, s in sel.items()}
+    odds_neg = mass["Aneg_dneg"] / mass["Aneg_dpos"] if mass["Aneg_dpos"] else np.nan
+    odds_pos = mass["Apos_dneg"] / mass["Apos_dpos"] if mass["Apos_dpos"] else np.nan
+    out["rho_asym_direction"] = odds_neg / odds_pos if odds_pos and np.isfinite(odds_neg) else np.nan
     tail = m & (d32 < -np.float32(cfg.tau_tail))
     tail_freq = tail.sum() / n
     out["tail_freq"] = tail_freq
@@ -359,3 +364,86 @@ def test_jit_and_vmap():
     assert float(jitted(adv[0], delta[0], mask[0])) == pytest.approx(eager[0]["rho_asym"], rel=1e-6)
     g = jax.grad(lambda d: mismatch_metrics(adv[0], d, mask[0], CFG)["energy"])(jnp.asarray(delta[0]))
     assert np.all(np.asarray(g) == 0)  # diagnostics are measurements: no gradient
+
+
+# ------------------------------------------------------------------------------------------------ nulls
+
+
+def _lengths_batch(seed=0, n=64, t=96, direction=0.0, seg=8):
+    """Groups of 8 responses sharing an advantage; wrong (A < 0) answers run 90 tokens, right ones 40; delta's sign
+    is a fair coin, except that with probability `direction` an A < 0 token is made negative."""
+    rng = np.random.default_rng(seed)
+    adv = np.repeat(rng.standard_normal(n // 8), 8).astype(np.float32)
+    adv -= adv.mean()
+    mask = np.arange(t)[None] < np.where(adv < 0, 90, 40)[:, None]
+    delta = (rng.standard_normal((n, t)) * 0.01).astype(np.float32)
+    flip = (adv[:, None] < 0) & (rng.random((n, t)) < direction)
+    return adv, np.where(flip, -np.abs(delta), delta), mask, TriageConfig(segment_len=seg)
+
+
+def test_null_metrics_only_with_a_key_and_deterministic_under_it():
+    adv, delta, mask, cfg = _lengths_batch()
+    assert not set(NULL_METRICS) & set(mismatch_metrics(adv, delta, mask, cfg))
+    a = f(mismatch_metrics(adv, delta, mask, cfg, null_key=jax.random.key(3)))
+    b = f(mismatch_metrics(adv, delta, mask, cfg, null_key=jax.random.key(3)))
+    assert set(NULL_METRICS) <= set(a) and a == pytest.approx(b, nan_ok=True)
+    with pytest.raises(ValueError, match="response-level advantages"):
+        mismatch_metrics(np.broadcast_to(adv[:, None], delta.shape), delta, mask, cfg, null_key=jax.random.key(3))
+
+
+def test_shuffles_permute_the_valid_rows_only():
+    valid = np.array([1, 0, 1, 1, 0, 1, 1, 0], bool)
+    perm = np.asarray(diagnostics._shuffled_rows(jax.random.key(0), jnp.asarray(valid), 200))
+    for p in perm:
+        assert sorted(p[valid]) == list(np.flatnonzero(valid)) and sorted(p[~valid]) == list(np.flatnonzero(~valid))
+    assert len({tuple(p) for p in perm}) > 50  # 5! = 120 orders of the valid rows: the shuffles vary
+
+
+def test_rho_asym_null_is_the_statistic_of_the_shuffled_advantages():
+    """Recomputed in NumPy from the same shuffles: the median, the ratio and the permutation p-value."""
+    adv, delta, mask, cfg = _lengths_batch(seed=1, direction=0.3)
+    key = jax.random.key(5)
+    got = f(mismatch_metrics(adv, delta, mask, cfg, null_key=key))
+    k_rho, _ = jax.random.split(key)
+    valid = mask.any(1)
+    perm = np.asarray(diagnostics._shuffled_rows(k_rho, jnp.asarray(valid), diagnostics.NULL_PERMUTATIONS))
+    pos, neg = (mask & (delta > 0)).sum(1), (mask & (delta < 0)).sum(1)
+    a = adv[perm].astype(np.float64)
+    draws = np.where(a < 0, -a * neg, 0).sum(1) / np.where(a > 0, a * pos, 0).sum(1)
+    assert got["rho_asym_null"] == pytest.approx(np.median(draws), rel=1e-5)
+    assert got["rho_asym_excess"] == pytest.approx(got["rho_asym"] / np.median(draws), rel=1e-5)
+    p = (1 + np.sum(draws >= got["rho_asym"] * (1 - 1e-6))) / (1 + draws.size)
+    assert got["rho_asym_null_p"] == pytest.approx(p)
+
+
+def test_length_confound_and_direction_are_told_apart():
+    """Wrong answers that run longer raise rho_asym and its shuffle excess with no direction effect at all; the
+    odds ratio stays at 1. A real direction effect moves the odds ratio."""
+    plain = f(mismatch_metrics(*_lengths_batch(seed=2)[:3], _lengths_batch()[3], null_key=jax.random.key(0)))
+    assert plain["rho_asym"] > 1.8 and plain["rho_asym_excess"] > 1.6 and plain["rho_asym_null_p"] < 0.05
+    assert 0.85 < plain["rho_asym_direction"] < 1.15
+    tilted = f(mismatch_metrics(*_lengths_batch(seed=2, direction=0.4)[:3], _lengths_batch()[3],
+                                null_key=jax.random.key(0)))
+    assert tilted["rho_asym_direction"] > 2.0
+
+
+def test_tail_persistence_null_separates_clustering_from_adjacency():
+    """Tail-dense segments clustered in a few responses (anywhere in them) make raw persistence > 1 at chance
+    adjacency; the shuffle null absorbs that. Dense segments that follow each other within a response exceed it."""
+    n, s, seg = 48, 12, 8
+    rng = np.random.default_rng(0)
+    adv = np.where(np.arange(n) % 2, 1.0, -1.0).astype(np.float32)
+    mask = np.ones((n, s * seg), bool)
+
+    def batch(runs: bool):
+        delta = np.full((n, s, seg), 0.01, np.float32)
+        for i in range(0, n, 3):  # every third response holds tail-dense segments
+            idx = np.arange(4) + rng.integers(0, s - 4) if runs else rng.choice(s, 4, replace=False)
+            delta[i, idx, :4] = -1.0
+        return delta.reshape(n, s * seg)
+
+    cfg = TriageConfig(segment_len=seg, tau_tail=0.3)
+    scattered = f(mismatch_metrics(adv, batch(False), mask, cfg, null_key=jax.random.key(1)))
+    adjacent = f(mismatch_metrics(adv, batch(True), mask, cfg, null_key=jax.random.key(1)))
+    assert scattered["tail_persistence"] > 1.5 and 0.6 < scattered["tail_persistence_excess"] < 1.5
+    assert adjacent["tail_persistence_excess"] > 2.0 and adjacent["tail_persistence_null_p"] < 0.05

@@ -8,7 +8,9 @@ import pytest
 
 from triage_jax.rl.monitor import ALARMS, MonitorConfig, MonitorState, first_alarms, monitor_config, replay, update
 
-CFG = MonitorConfig()  # window 10, min_points 5, rho 1.2 / 1.5, persistence 2 / 3, q05 1x / 3x, floor 0.01
+# window 10, min_points 5, rho 1.2 / 1.5, persistence 2 / 3, q05 1x / 3x, floor 0.01; on the raw metrics, which the
+# synthetic histories below carry (the default reads their null-normalized `_excess` forms: test_default_reads_...)
+CFG = MonitorConfig(rho_metric="rho_asym", persistence_metric="tail_persistence")
 
 
 def history(n, **series):
@@ -69,7 +71,7 @@ def test_too_few_finite_points_in_the_window_stay_quiet():
     # rho is huge but finite only every third step: 3-4 finite values per 10-step window < min_points 5.
     h = history(40, rho_asym=lambda t: 5.0 if t % 3 == 0 else math.nan)
     assert first_alarms(h, CFG)["rho_asym"] is None
-    assert first_alarms(h, MonitorConfig(min_points=3))["rho_asym"] is not None
+    assert first_alarms(h, MonitorConfig(min_points=3, rho_metric="rho_asym"))["rho_asym"] is not None
 
 
 def test_replay_then_continue_equals_one_pass_and_keys_may_be_unprefixed():
@@ -94,6 +96,8 @@ def test_update_reports_every_alarm_and_their_max():
     ({"rho_level1": 2.0, "rho_level2": 1.5}, "rho_level1"),
     ({"q05_floor": -1.0}, "q05_floor"),
     ({"windows": 3}, "windows"),
+    ({"rho_metric": "rho"}, "rho_metric"),
+    ({"persistence_metric": "tail_freq"}, "persistence_metric"),
 ])
 def test_bad_settings_fail_naming_them(settings, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -130,3 +134,18 @@ def test_collapse_rule_delta_q05_bound():
         collapsed(rows, patience=0)
     with pytest.raises(ValueError, match="drop"):
         collapsed(rows, drop=1.5)
+
+
+def test_default_reads_the_null_normalized_statistics():
+    """By default the alarms read rho_asym / its permutation null and tail persistence / its shuffle null: a raw
+    rho_asym that rises only as much as its null does (lengths, the balance of d- and d+) raises nothing."""
+    default = MonitorConfig()
+    assert (default.rho_metric, default.persistence_metric) == ("rho_asym_excess", "tail_persistence_excess")
+    confounded = history(40, rho_asym=lambda t: 1.0 + 0.045 * t, rho_asym_excess=lambda t: 1.0,
+                         tail_persistence=lambda t: 4.0, tail_persistence_excess=lambda t: 1.0)
+    assert first_alarms(confounded, default)["any"] is None
+    assert first_alarms(confounded, CFG)["rho_asym"] == 9  # the raw metrics alarm on the same history
+    real = history(40, rho_asym_excess=lambda t: 1.0 + 0.045 * t)
+    assert first_alarms(real, default)["rho_asym"] == 9
+    direction = history(40, rho_asym_direction=lambda t: 1.0 + 0.045 * t)
+    assert first_alarms(direction, MonitorConfig(rho_metric="rho_asym_direction"))["rho_asym"] == 9

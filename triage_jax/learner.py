@@ -267,14 +267,15 @@ class Learner:
 
     # ------------------------------------------------------------------------------------------ corrections
     def prepare(self, *, input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None,
-                behaviour_logp=None) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+                behaviour_logp=None, null_key=None) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
         """The learner's correction and the mismatch diagnostics, in one compiled call (see `prepare`); routing
         (or None) rides along in the batch for the updates to replay; behaviour_logp (the learner's log-probs at
-        the weights that sampled a stale rollout, or None: a synchronous one) splits the mismatch."""
+        the weights that sampled a stale rollout, or None: a synchronous one) splits the mismatch; null_key (or
+        None) adds the direction signals' permutation nulls."""
         return self._prepare(jnp.asarray(input_ids), jnp.asarray(attn_mask), jnp.asarray(resp_mask),
                              jnp.asarray(adv), jnp.asarray(sampler_logp), jnp.asarray(old_logp),
                              jnp.asarray(ref_logp), None if routing is None else jnp.asarray(routing),
-                             None if behaviour_logp is None else jnp.asarray(behaviour_logp))
+                             None if behaviour_logp is None else jnp.asarray(behaviour_logp), null_key=null_key)
 
     # ------------------------------------------------------------------------------------------ update
     def _loss_and_grads_impl(self, params, mb_all: RolloutBatch, step):
@@ -370,14 +371,17 @@ class Learner:
 
 
 def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_logp, routing=None,
-            behaviour_logp=None, *, correction: Correction, triage: TriageConfig, delta_source: str = "total"
-            ) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
+            behaviour_logp=None, *, correction: Correction, triage: TriageConfig, delta_source: str = "total",
+            null_key: jax.Array | None = None) -> tuple[RolloutBatch, dict[str, jax.Array], jax.Array]:
     """Apply `correction` and compute the mismatch diagnostics (segmented as `triage` says).
 
     Synchronous rollout (behaviour_logp None): delta = old_logp - sampler_logp, diagnostics under `mismatch/`.
     Stale rollout (behaviour_logp = the learner at the weights that sampled it): delta splits into precision and
     staleness (`rl.delta.delta_parts`), each with its diagnostics (`mismatch_precision/`, `mismatch_staleness/`,
     the total under `mismatch/`), and the correction acts on the one `delta_source` names.
+
+    With `null_key` each delta's diagnostics add the permutation nulls of rho_asym and tail persistence
+    (`diagnostics.NULL_METRICS`; one key per delta, folded from it).
 
     Returns the batch ready for `Learner.update`, the metrics and the total delta.
     """
@@ -403,9 +407,11 @@ def prepare(input_ids, attn_mask, resp_mask, adv, sampler_logp, old_logp, ref_lo
     # path recomputes (any other delta of a stale rollout is weighed by the alpha that was applied).
     tcfg = correction.cfg if correction.name == "triage" else triage
     metrics = {}
-    for prefix, d in deltas.items():
+    for i, (prefix, d) in enumerate(deltas.items()):
         fast = correction.name == "triage" and d is acted
-        diag = diagnostics.mismatch_metrics(adv, d, resp_mask, tcfg, weights=None if fast else out.weights)
+        key = None if null_key is None else jax.random.fold_in(null_key, i)
+        diag = diagnostics.mismatch_metrics(adv, d, resp_mask, tcfg, weights=None if fast else out.weights,
+                                            null_key=key)
         metrics.update({f"{prefix}/{k}": v for k, v in diag.items()})
     metrics.update({f"correction/{k}": v for k, v in out.metrics.items()})
     return batch, metrics, delta

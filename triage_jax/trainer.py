@@ -45,6 +45,7 @@ from triage_jax.rl.delta import token_delta
 log = logging.getLogger(__name__)
 # NaN metrics are logged on purpose (an empty denominator is drawn as a gap): not a warning per value.
 logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
+NULL_STREAM = 0x6E756C6C  # "null": the permutation nulls' keys are a stream of the seed apart from the rollouts'
 
 
 class NonFiniteError(FloatingPointError):
@@ -209,6 +210,10 @@ class Trainer:
         """The key of step `step`'s rollout: fold_in(seed, step), whenever and wherever it is drawn."""
         return jax.random.fold_in(jax.random.key(self.cfg.seed), step)
 
+    def null_key(self, step: int) -> jax.Array:
+        """The key of step `step`'s permutation nulls (diagnostics.NULL_METRICS): its own stream of the seed."""
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.seed), NULL_STREAM), step)
+
     def _draw_ahead(self, step: int) -> QueuedRollout:
         """The rollout of step `step` with the engine's loaded weights (on the background thread while an update
         runs, or in `_fill_queue`): it reads only the engine, the loader and the seed, so it is the same either way."""
@@ -334,7 +339,7 @@ class Trainer:
         batch, metrics, delta = self.learner.prepare(
             input_ids=ro.input_ids, attn_mask=ro.attn_mask, resp_mask=ro.resp_mask, adv=ro.adv,
             sampler_logp=ro.sampler_logp, old_logp=old_logp, ref_logp=ref_logp, routing=ro.routing,
-            behaviour_logp=behaviour_logp)
+            behaviour_logp=behaviour_logp, null_key=self.null_key(self.step))
         jax.block_until_ready((batch, metrics))
         correction_s = time.perf_counter() - t1
         upd = []
@@ -522,7 +527,8 @@ class Trainer:
             return {}
         k = max(1, min(5, len(h) // 4))
         keys = ["reward/mean", "reward/accuracy", "response/length_mean", "mismatch/mean_abs_delta",
-                "mismatch/rho_asym", "mismatch/delta_q05", "mismatch/tail_persistence", "entropy",
+                "mismatch/rho_asym", "mismatch/rho_asym_excess", "mismatch/rho_asym_direction", "mismatch/delta_q05",
+                "mismatch/tail_persistence", "mismatch/tail_persistence_excess", "entropy",
                 "learner/loss", "learner/repair_loss"]
         def window_mean(xs):
             xs = [x for x in xs if np.isfinite(x)]  # NaN = an empty denominator that step (spec), not a zero

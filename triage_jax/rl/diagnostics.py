@@ -21,6 +21,17 @@
   every registered correction but `none` `frac_corrected_<name>`: the fraction of real tokens that rule clips,
   zeroes or drops on this batch at its default settings (TRIAGE at `cfg`).
 - `n_tokens`, `n_segments` (segments holding a real token), for reference.
+- With `null_key` (response-level advantages): the permutation nulls of the direction signals
+  (docs/rl_math.md#nulls). `rho_asym_null` is the median of rho_asym over `NULL_PERMUTATIONS` shuffles of the
+  advantages across the batch's responses (each keeps its tokens, so its length and its count of d+ / d- tokens),
+  `rho_asym_excess` = rho_asym / rho_asym_null, `rho_asym_null_p` the one-sided permutation p-value
+  (1 + #{shuffles >= observed}) / (1 + shuffles); `tail_persistence_null` / `_excess` / `_null_p` the same with the
+  segments of each response shuffled (adjacency broken, each response's count of dense segments kept).
+  `rho_asym_direction` (no key needed): rho_asym = M x (d- share among A < 0) /
+  (d+ share among A > 0), M the |A|-mass ratio of the A- and A+ tokens, which counts lengths (wrong answers run
+  longer) and is kept by the advantage shuffle. The direction part alone is the odds ratio
+  [d- / d+ among A < 0] / [d- / d+ among A > 0] (tokens |A|-weighted): 1 when a token's sign does not depend on
+  its response's advantage, whatever the lengths and the overall balance of d- and d+.
 
 A metric whose denominator is empty is NaN. A segment is tail-dense when f_S >= 2 * tail_freq and it holds at
 least one tail token (so a batch without tail tokens has no dense segment rather than only dense ones).
@@ -43,6 +54,9 @@ SMALL_DELTA = 0.05
 TOP_SEGMENT_FRACTION = 0.05
 QUANTILES = (0.05, 0.50, 0.95)
 QUADRANTS = ("Apos_dpos", "Apos_dneg", "Aneg_dpos", "Aneg_dneg")
+NULL_PERMUTATIONS = 64  # shuffles per batch for the direction nulls: a p-value resolution of 1/65
+NULL_METRICS = ("rho_asym_null", "rho_asym_excess", "rho_asym_null_p", "tail_persistence_null",
+                "tail_persistence_excess", "tail_persistence_null_p")
 
 # Default histogram edges for delta: 0 and +-10^k for k in [-4, 2] at 4 edges per decade.
 DELTA_HIST_EDGES = np.concatenate(
@@ -176,10 +190,13 @@ def _sums(xs, axis) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, weights=None) -> dict[str, jax.Array]:
+def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, weights=None,
+                     null_key: jax.Array | None = None) -> dict[str, jax.Array]:
     """Every mismatch metric of docs/rl_math.md#diagnostics (names in the module docstring) for one batch; jit-able (cfg static).
 
     `weights` [N,T] are the per-token weights applied to the loss, for b_amp / b_con; default TRIAGE's alpha.
+    `null_key` (a PRNG key) adds the permutation nulls of rho_asym and tail persistence (NULL_METRICS); they need
+    response-level advantages [N].
     Structure: a few passes over the tokens yield per-segment sums [N,S] and totals; everything else is computed
     on those. Response-level adv [N] never needs a token-level A: each A-dependent sum is a per-response sum
     times A_i, and TRIAGE's alpha follows from the segment sums.
@@ -270,6 +287,8 @@ def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, we
         out[f"quad_tok_{k}"] = safe_div(q_tot[j], n_tok)
         out[f"quad_mass_{k}"] = safe_div(q_tot[4 + j], q_tot[8])
     out["rho_asym"] = safe_div(q_tot[7], q_tot[4])
+    # q_tot[4:8]: the |A|-mass of A+d+, A+d-, A-d+, A-d-
+    out["rho_asym_direction"] = safe_div(safe_div(q_tot[7], q_tot[6]), safe_div(q_tot[5], q_tot[4]))
     out["tail_freq"] = tail_freq
     k_top = (n_valid.astype(jnp.int32) + 19) // 20  # ceil(0.05 * segments), in integers
     share = safe_div(_top_share(amp_tail_s, k_top, L), amp_tail_tot)
@@ -280,7 +299,66 @@ def mismatch_metrics(adv, delta, mask, cfg: TriageConfig = TriageConfig(), *, we
     out["energy"] = 0.5 * d2
     out["b_amp"], out["b_con"] = b_tot[0], b_tot[1]
     out.update(_peer_metrics(adv, d, real, mask_nt, sum_d_i, n_i, n_tok, cfg))
+    if null_key is not None:
+        if not row_adv:
+            raise ValueError(f"mismatch_metrics(null_key=...): the nulls shuffle response-level advantages [N]; "
+                             f"got adv of shape {adv.shape}")
+        k_rho, k_seg = jax.random.split(null_key)
+        null = rho_asym_null(k_rho, a_i, pos_i, neg_i, n_i > 0)
+        null.update(tail_persistence_null(k_seg, dense, valid))
+        out.update(_null_summaries(out, null))
     return out
+
+
+def _shuffled_rows(key: jax.Array, valid_n: jax.Array, k: int) -> jax.Array:
+    """[k, N] row indices: row i of shuffle j takes the values of row perm[j, i], a uniformly random permutation of
+    the valid rows among the valid rows' places (invalid rows only trade places with invalid rows)."""
+    n = valid_n.shape[0]
+    u = jax.random.uniform(key, (k, n))
+    src = jnp.argsort(jnp.where(valid_n, u, 2.0), axis=1)  # the valid rows in random order, then the others
+    dst = jnp.argsort(jnp.where(valid_n, 0, 1), stable=True)  # the valid rows in index order, then the others
+    return jnp.zeros((k, n), jnp.int32).at[:, dst].set(src.astype(jnp.int32))
+
+
+def rho_asym_null(key: jax.Array, adv_n, pos_n, neg_n, valid_n, k: int = NULL_PERMUTATIONS) -> dict[str, jax.Array]:
+    """rho_asym under NULL_PERMUTATIONS shuffles of the response advantages adv_n over the valid responses; pos_n /
+    neg_n are each response's counts of tokens with delta > 0 / < 0 (kept with its tokens). {"rho_asym": [k]}."""
+    a = adv_n[_shuffled_rows(key, valid_n, k)]  # [k, N]
+    num = jnp.sum(jnp.where(a < 0, -a * neg_n, 0.0), axis=1)
+    den = jnp.sum(jnp.where(a > 0, a * pos_n, 0.0), axis=1)
+    return {"rho_asym": safe_div(num, den)}
+
+
+def tail_persistence_null(key: jax.Array, dense_ns, valid_ns, k: int = NULL_PERMUTATIONS) -> dict[str, jax.Array]:
+    """tail_persistence with each response's valid segments shuffled (k times): adjacency broken, the response's
+    count of tail-dense segments kept. {"tail_persistence": [k]}."""
+    n, s = dense_ns.shape
+    if s < 2:
+        return {"tail_persistence": jnp.full((k,), jnp.nan, F32)}
+    u = jax.random.uniform(key, (k, n, s))
+    order = jnp.argsort(jnp.where(valid_ns[None], u, 2.0), axis=-1)  # valid segments first, in random order
+    dense = jnp.take_along_axis(jnp.broadcast_to(dense_ns[None], (k, n, s)), order, axis=-1)
+    valid = jnp.take_along_axis(jnp.broadcast_to(valid_ns[None], (k, n, s)), order, axis=-1)
+    pair = valid[..., :-1] & valid[..., 1:]
+    first = jnp.sum(_f32(dense[..., :-1] & pair), axis=(1, 2))
+    both = jnp.sum(_f32(dense[..., :-1] & pair & dense[..., 1:]), axis=(1, 2))
+    chance = safe_div(jnp.sum(_f32(dense_ns)), jnp.sum(_f32(valid_ns)))
+    return {"tail_persistence": safe_div(safe_div(both, first), chance)}
+
+
+def _null_summaries(out: dict[str, jax.Array], null: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Median, observed / median and the one-sided permutation p-value of each null (NaN shuffles left out)."""
+    res = {}
+    for name, draws in null.items():
+        obs = out[name]
+        ok = jnp.isfinite(draws)
+        med = jnp.nanmedian(jnp.where(ok, draws, jnp.nan))
+        res[f"{name}_null"] = med
+        res[f"{name}_excess"] = safe_div(obs, med)
+        above = jnp.sum(_f32(ok & (draws >= obs)))
+        p = (1.0 + above) / (1.0 + jnp.sum(_f32(ok)))
+        res[f"{name}_null_p"] = jnp.where(jnp.isfinite(obs) & jnp.any(ok), p, jnp.nan)
+    return res
 
 
 def _kish(log_w: jax.Array, keep: jax.Array, n: jax.Array) -> jax.Array:

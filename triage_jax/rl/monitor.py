@@ -2,10 +2,15 @@
 
 The paper's precursors of an NVFP4 collapse, watched over a sliding window of the last `window` steps:
 
-- `rho_asym`: the A-d- mass outgrowing the A+d+ mass. Level 1: window mean above `rho_level1` while rising (the
-  least-squares rise across the window above `rho_rise`); level 2: window mean above `rho_level2`.
-- `tail_persistence` (1 = chance): tail-dense segments followed by tail-dense segments k x more often than
-  chance. Level 1: window mean above `persistence_level1`; level 2: above `persistence_level2`.
+- `rho_asym`: the A-d- mass outgrowing the A+d+ mass, read from the metric `rho_metric` names: by default
+  `rho_asym_excess`, rho_asym over its permutation null (the advantages shuffled across the batch: 1 = what the
+  batch's token counts give by themselves; docs/rl_math.md#nulls); `rho_asym` (raw) or `rho_asym_direction` (the
+  length-free odds ratio) on request. Level 1: window mean above `rho_level1` while rising (the least-squares
+  rise across the window above `rho_rise`); level 2: window mean above `rho_level2`.
+- `tail_persistence`: tail-dense segments followed by tail-dense segments k x more often than their null, read
+  from `persistence_metric` (default `tail_persistence_excess`: over each response's segments shuffled; raw
+  `tail_persistence` is over the chance rate). Level 1: window mean above `persistence_level1`; level 2: above
+  `persistence_level2`.
 - `delta_q05`: the lower tail of delta falling below its early-run level (the median of the first `window`
   finite values). Level 1: the window mean fell by `q05_level1` x max(|baseline|, `q05_floor`) and is still
   falling; level 2: fell by `q05_level2` x that.
@@ -24,6 +29,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 ALARMS = ("rho_asym", "tail_persistence", "delta_q05")
+RHO_METRICS = ("rho_asym_excess", "rho_asym", "rho_asym_direction")
+PERSISTENCE_METRICS = ("tail_persistence_excess", "tail_persistence")
 METRIC_PREFIX = "mismatch/"  # the trainer logs the diagnostics under this prefix
 ACTIONS = ("none", "enable_correction")
 
@@ -42,8 +49,13 @@ class MonitorConfig:
     q05_level1: float = 1.0
     q05_level2: float = 3.0
     q05_floor: float = 0.01
+    rho_metric: str = "rho_asym_excess"
+    persistence_metric: str = "tail_persistence_excess"
 
     def __post_init__(self):
+        for name, allowed in (("rho_metric", RHO_METRICS), ("persistence_metric", PERSISTENCE_METRICS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
         if not (isinstance(self.window, int) and self.window >= 2):
             raise ValueError(f"window must be an int >= 2, got {self.window!r}")
         if not (isinstance(self.min_points, int) and 2 <= self.min_points <= self.window):
@@ -132,7 +144,7 @@ def update(state: MonitorState, metrics: Mapping[str, float], cfg: MonitorConfig
     state and the alarms {"alarm/<name>": level 0/1/2 for each of ALARMS, "alarm/level": their max}."""
     if step is None:
         step = metrics.get("step", state.count)
-    values = tuple(watched(metrics, name) for name in ALARMS)
+    values = tuple(watched(metrics, name) for name in (cfg.rho_metric, cfg.persistence_metric, "delta_q05"))
     recent = (state.recent + ((float(step),) + values,))[-cfg.window:]
     q05 = values[2]
     early = state.q05_early
