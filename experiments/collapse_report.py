@@ -295,7 +295,7 @@ def markdown(rep: dict) -> str:
              for i, arm in enumerate(("bf16", "nvfp4"))]))
         lr = c["logrank"]
         lines += ["", f"Fisher's exact test (collapse counts): p = {_f(c['fisher_p'])}. Log-rank (onsets): "
-                  + (f"chi2 = {_f(lr['statistic'])}, p = {_f(lr['p'])}." if lr["p"] is not None else lr["note"] + ".")
+                  + (f"z = {_f(lr['statistic'])}, p = {_f(lr['p'])}." if lr["p"] is not None else lr["note"] + ".")
                   + f" avg@8 NVFP4 - BF16 = {_f(c['avg8_diff'])} (bootstrap 95% {_f(c['avg8_diff_ci95'][0])} to "
                   f"{_f(c['avg8_diff_ci95'][1])}), Mann-Whitney U = {_f(c['mannwhitney_u'], 1)}, "
                   f"p = {_f(c['mannwhitney_p'])}.", ""]
