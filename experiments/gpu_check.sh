@@ -1,23 +1,69 @@
 #!/usr/bin/env bash
-# The GPU check, one command (<= 8 minutes on one H200): the gpu-marked tests, the backend alignment check with the
-# compiled Pallas kernels and Transformer Engine (where installed), and the sampler benchmark.
-#   bash experiments/gpu_check.sh            (from the repository root, on a machine with a CUDA GPU)
-# Each part runs under its own time limit and the script goes on after a failure; it exits non-zero if any failed.
+# The GPU check, one command, <= 10 minutes on one H200: the gpu-marked tests, the backend alignment check (every
+# available backend: xla, compiled Pallas, cudnn, te), a few steps of the main job on configs/tiny.py (finite
+# metrics, a checkpoint written) and the GPU benchmark (experiments/bench_gpu.py).
+#   bash experiments/gpu_check.sh [WHEELS_DIR]       (from anywhere; WHEELS_DIR default: <repo>/.gpu-wheels)
+# The machine's Python must already hold jax (CUDA), flax, optax, orbax, torch and transformers; the rest
+# (ml-collections, grain, tensorboardX, math-verify, ...) is installed from WHEELS_DIR with no network (make it
+# with ../shared/gpu/prepare-wheels.sh) into a folder of its own. The repository root never goes on PYTHONPATH:
+# every Python command runs from the root, where `python -m` finds triage_jax (kernels/ is triage_jax.kernels).
+# Each part runs under its own time limit; a failure does not stop the rest; the output ends with one summary line
+# per part, and the exit status is non-zero if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
+wheels=${1:-$root/.gpu-wheels}
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+summary=()
 status=0
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "=== ${name} (limit ${limit}s) ==="
   local t0=$SECONDS
-  timeout "${limit}" "$@"
+  timeout --kill-after=10 "${limit}" "$@"
   local rc=$?
-  echo "=== ${name}: exit ${rc}, $((SECONDS - t0)) s ==="
-  [ "${rc}" -eq 0 ] || status=1
+  local took=$((SECONDS - t0))
+  local verdict=ok
+  if [ "${rc}" -eq 124 ] || [ "${rc}" -eq 137 ]; then verdict="TIMEOUT"; elif [ "${rc}" -ne 0 ]; then verdict="FAILED"; fi
+  [ "${verdict}" = ok ] || status=1
+  summary+=("$(printf '%-28s %-8s exit %3d  %4d s (limit %d s)' "${name}" "${verdict}" "${rc}" "${took}" "${limit}")")
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python -c "import jax; print('jax', jax.__version__, jax.devices())"
-step "gpu tests" 150 python -m pytest -m gpu -q -x -n 0
-step "align (every available backend: xla, pallas compiled, cudnn, te)" 150 python -m triage_jax.tools.align
-step "sampler bench" 180 python experiments/bench_sampler.py
+
+if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
+  site=/tmp/triage_site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$wheels"/*.whl || echo "warning: installing the wheels from $wheels failed"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/triage_jax_cache}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader || true
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+
+step "gpu tests" 120 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider tests/test_gpu.py tests/test_quant_backends.py
+step "align" 60 python3 -m triage_jax.tools.align
+run_dir="$out/tiny_run"
+rm -rf "$run_dir"
+step "main job (tiny, 3 steps)" 90 python3 -m triage_jax.main --config=configs/tiny.py --config.train.steps=3 \
+  --config.train.ckpt_every=3 --config.run_dir="$run_dir" --config.warmup.cache_dir="$out/warmup_cache"
+step "main job: metrics, checkpoint" 15 python3 - "$run_dir" <<'EOF'
+import json, math, os, sys
+run = sys.argv[1]
+summary = json.load(open(os.path.join(run, "summary.json")))
+rows = summary["metrics"]
+need = ("reward/mean", "learner/loss", "mismatch/mean_abs_delta", "entropy")  # NaN elsewhere can be an empty set
+bad = [k for k in need if k not in rows or not all(math.isfinite(v) for v in rows[k].values())]
+ckpts = sorted(os.listdir(os.path.join(run, "checkpoints")))
+print("steps:", summary["steps"], "| checkpoints:", ckpts, "| missing or non-finite:", bad,
+      "| mean s/step:", summary["mean_time_s"].get("time/step"))
+sys.exit(1 if bad or "3" not in ckpts or summary["steps"] != 3 else 0)
+EOF
+step "bench_gpu: GEMMs, 0.6B" 150 python3 experiments/bench_gpu.py --parts gemm,engine,agree \
+  --models qwen3_0_6b --batches 64,256 --json "$out/bench_gpu_a.json"
+step "bench_gpu: 4B, first call" 120 python3 experiments/bench_gpu.py --parts engine,first_call \
+  --models qwen3_4b --batches 64 --no_hf --json "$out/bench_gpu_b.json"
+
+echo "=== summary ==="
+printf '%s\n' "${summary[@]}"
 exit "${status}"

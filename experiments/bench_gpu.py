@@ -1,0 +1,342 @@
+"""GPU rollout benchmarks: decode GEMMs with 4-bit weights against bf16, and the engine's decode speed, side by side.
+
+    python experiments/bench_gpu.py [--parts gemm,engine,agree] [--models qwen3_0_6b,qwen3_4b] [--batches 64,256]
+        [--json PATH] [--small]
+
+Every ratio is measured in the same run (the sides interleaved: A, B, A, B, ...; best of --repeats after a warm-up
+that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (numbers meaningless).
+
+(a) gemm: decode GEMMs at Qwen3-4B's MLP shapes (K, N) = (2560, 9728) and (9728, 2560), M in {1, 16, 64, 256},
+    each timed in one jitted loop that rotates through --copies weight copies (> 100 MB, so nothing is served from
+    the 50 MB L2): bf16 `jnp.dot`; fp8 (`qdot`, FP8 weights prequantized); w4a16 (NVFP4 weights prequantized,
+    bf16 activations); w4a4 (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and
+    effective TB/s of weight bytes (codes + scales), against the device's copy bandwidth measured here.
+(b) engine: Qwen3-0.6B / 4B shapes (random init, bf16), batch 64 and 256, prompt 256, 256 new tokens: decode tok/s
+    of the bf16, w4a16 and w4a4 samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
+    bf16 on the same GPU, the same weights); the fraction of the memory roofline (weight + KV bytes read per decode
+    step / step time / copy bandwidth); the first call's seconds (compile included) in a fresh process, with an
+    empty and with a filled persistent compilation cache.
+(c) agree: greedy tokens of the w4a16 sampler on each weight-GEMM backend against the xla backend's.
+
+Prints a table per part and one JSON line (`"bench": "gpu"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from triage_jax.quant import PRESETS, prequantize, qdot  # noqa: E402
+
+GEMM_SHAPES = ((2560, 9728), (9728, 2560))
+GEMM_MS = (1, 16, 64, 256)
+VARIANTS = ("bf16", "fp8", "w4a16", "w4a4")
+TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
+
+
+def interleaved(fns, repeats):
+    """Warm each fn up (compiles), then call them in turn `repeats` times: [best seconds]."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - t0)
+    return [min(t) for t in times]
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the memory roofline's denominator."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0000001)  # one read, one write (a copy XLA cannot elide)
+    (t,) = interleaved([lambda: f(x)], repeats)
+    return 2 * x.nbytes / t
+
+
+def weight_bytes(w) -> int:
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(w))
+
+
+def gemm_loop(variant: str, m: int, k: int, n: int, copies: int, iters: int):
+    """A zero-argument call running `iters` GEMMs [m, k] x [k, n] in one jitted fori_loop over `copies` weight
+    copies (each iteration reads the next copy), and the bytes of one copy's weights."""
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    ws = (jax.random.normal(kw, (copies, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    if variant == "bf16":
+        stacked, dot = ws, (lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32))
+    else:
+        prec = PRESETS[variant]
+        stacked = jax.vmap(lambda w: prequantize(w, prec))(ws)
+        dot = (lambda a, w: qdot(a, w, prec))
+    one = jax.tree.map(lambda a: a[0], stacked)
+
+    @jax.jit
+    def loop(x, stacked):
+        def body(i, acc):
+            w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i % copies, keepdims=False), stacked)
+            return acc + dot(x, w).astype(jnp.float32)  # the whole output: no slice XLA could push into the dot
+        return jax.lax.fori_loop(0, iters, body, jnp.zeros((m, n), jnp.float32))
+
+    return (lambda: loop(x, stacked)), weight_bytes(one)
+
+
+def bench_gemm(args, bw: float) -> list[dict]:
+    rows = []
+    for k, n in args.gemm_shapes:
+        for m in args.gemm_ms:
+            calls, sizes = [], []
+            for v in VARIANTS:
+                fn, nbytes = gemm_loop(v, m, k, n, args.copies, args.iters)
+                calls.append(fn)
+                sizes.append(nbytes)
+            times = interleaved(calls, args.repeats)
+            base = times[0] / args.iters
+            for v, t, nbytes in zip(VARIANTS, times, sizes):
+                per = t / args.iters
+                rows.append({"k": k, "n": n, "m": m, "variant": v, "us": per * 1e6, "speedup_vs_bf16": base / per,
+                             "weight_mb": nbytes / 1e6, "tb_s": nbytes / per / 1e12, "frac_copy_bw": nbytes / per / bw})
+    return rows
+
+
+def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int):
+    from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, model.cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
+    prepared = prepare_model(model, policy)
+    calls = []
+    for tokens in (new_tokens, 1):
+        eng = Engine(SamplingConfig(max_new_tokens=tokens), EngineConfig(
+            max_slots=batch, max_len=prompt_len + new_tokens, max_prompt_len=prompt_len, prefill_batch=batch),
+            policy=policy, model=prepared)
+        calls.append(lambda e=eng: e.generate(prompts, jax.random.key(0)).tokens)
+    return calls, prompts
+
+
+def _hf_call(model, prompts, new_tokens):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from triage_jax import models
+
+    with tempfile.TemporaryDirectory() as d:
+        models.save_pretrained(model, d)
+        hf = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to("cuda").eval()
+    ids = torch.tensor(prompts, dtype=torch.long, device="cuda")
+
+    def run(tokens):
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                              min_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              pad_token_id=0, eos_token_id=None)
+        torch.cuda.synchronize()
+        return jnp.zeros(())
+
+    return [lambda: run(new_tokens), lambda: run(1)]
+
+
+def bench_engine(args, bw: float) -> list[dict]:
+    from flax import nnx
+
+    from triage_jax import models
+    from triage_jax.sampler import sampler_policy
+
+    rows = []
+    for name in args.models:
+        cfg = models.get_model_config(name, dtype="bfloat16", param_dtype="bfloat16",
+                                      **({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+                                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                                          "vocab_size": 1024} if args.small else {}))
+        model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
+        params_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        for b in args.batches:
+            sides, labels = [], []
+            for preset in ("bf16", "w4a16", "w4a4"):
+                calls, prompts = _engine_run(model, sampler_policy(preset), b, args.prompt_len, args.new_tokens)
+                sides += calls
+                labels.append(preset)
+            if args.hf:
+                sides += _hf_call(model, prompts, args.new_tokens)
+                labels.append("hf")
+            times = interleaved(sides, args.repeats)
+            kv_per_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # bf16 K and V
+            mean_ctx = args.prompt_len + args.new_tokens / 2
+            for i, label in enumerate(labels):
+                t_full, t_one = times[2 * i], times[2 * i + 1]
+                step = max(t_full - t_one, 1e-9) / (args.new_tokens - 1)
+                wbytes = params_b if label in ("bf16", "hf") else None
+                row = {"model": name, "batch": b, "sampler": label, "decode_tok_s": b / step, "step_ms": step * 1e3}
+                if wbytes is not None:
+                    moved = wbytes + b * mean_ctx * kv_per_tok
+                    row["roofline_frac"] = moved / step / bw
+                rows.append(row)
+            base = next(r for r in rows if r["model"] == name and r["batch"] == b and r["sampler"] == "bf16")
+            for r in rows:
+                if r["model"] == name and r["batch"] == b:
+                    r["vs_bf16"] = r["decode_tok_s"] / base["decode_tok_s"]
+    return rows
+
+
+FIRST_CALL = """
+import time, jax, numpy as np
+t0 = time.perf_counter()
+from flax import nnx
+from triage_jax import models
+from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
+cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16")
+model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
+policy = sampler_policy("bf16")
+eng = Engine(SamplingConfig(max_new_tokens={new}), EngineConfig(max_slots={b}, max_len={plen} + {new},
+             max_prompt_len={plen}, prefill_batch={b}), policy=policy, model=prepare_model(model, policy))
+rng = np.random.default_rng(0)
+prompts = [rng.integers(2, cfg.vocab_size, {plen}).tolist() for _ in range({b})]
+t1 = time.perf_counter()
+jax.block_until_ready(eng.generate(prompts, jax.random.key(0)).tokens)
+print("FIRST_CALL_S", time.perf_counter() - t1)
+"""
+
+
+def first_call(name: str, b: int, plen: int, new: int) -> dict:
+    """The engine's first generate in a fresh process: compile included, with an empty and a filled cache."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for label in ("cold", "cached"):
+            env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+            r = subprocess.run([sys.executable, "-c", FIRST_CALL.format(name=name, b=b, plen=plen, new=new)],
+                               cwd=root, env=env, capture_output=True, text=True, timeout=600)
+            line = [x for x in r.stdout.splitlines() if x.startswith("FIRST_CALL_S")]
+            out[label + "_s"] = float(line[0].split()[1]) if line else None
+            if not line:
+                out[label + "_error"] = r.stderr[-500:]
+    return out
+
+
+def agree(args) -> dict:
+    """Greedy tokens of the w4a16 sampler on each available non-xla backend vs the xla backend's (rows equal)."""
+    from flax import nnx
+
+    from triage_jax import models
+    from triage_jax.quant import backends
+    from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
+
+    name = args.models[0]
+    cfg = models.get_model_config(name, dtype="bfloat16", param_dtype="bfloat16",
+                                  **({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                                      "vocab_size": 1024} if args.small else {}))
+    model = models.Qwen3(cfg, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(1)
+    b, new = 8, 16 if args.small else 64
+    prompts = [rng.integers(2, cfg.vocab_size, args.prompt_len).tolist() for _ in range(b)]
+
+    def greedy(backend):
+        policy = sampler_policy("w4a16", backend=backend)
+        eng = Engine(SamplingConfig(max_new_tokens=new, greedy=True),
+                     EngineConfig(max_slots=b, max_len=args.prompt_len + new, max_prompt_len=args.prompt_len),
+                     policy=policy, model=prepare_model(model, policy))
+        return np.asarray(eng.generate(prompts, jax.random.key(0)).tokens)
+
+    ref = greedy("xla")
+    out = {}
+    for name_b, (ok, why) in backends.available_backends().items():
+        if name_b == "xla":
+            continue
+        if not ok:
+            out[name_b] = f"unavailable: {why}"
+            continue
+        try:
+            got = greedy(name_b)
+        except NotImplementedError as e:  # BackendUnsupportedError: the backend declares the op missing
+            out[name_b] = f"unsupported: {e}"
+            continue
+        out[name_b] = f"{int((got == ref).all(axis=1).sum())}/{b} rows identical to xla over {new} greedy tokens"
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="gemm,engine,first_call,agree")
+    ap.add_argument("--models", default="qwen3_0_6b,qwen3_4b")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--prompt_len", type=int, default=256)
+    ap.add_argument("--new_tokens", type=int, default=256)
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no_hf", dest="hf", action="store_false")
+    ap.add_argument("--json", default=None, help="also write the JSON line's object to this file")
+    ap.add_argument("--small", action="store_true", help="tiny sizes: a dry run anywhere (numbers meaningless)")
+    args = ap.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    args.models = [m for m in args.models.split(",") if m]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.gemm_shapes, args.gemm_ms = GEMM_SHAPES, GEMM_MS
+    if args.small:
+        args.gemm_shapes, args.gemm_ms, args.copies, args.iters, args.repeats = ((256, 512),), (1, 16), 2, 2, 1
+        args.batches, args.prompt_len, args.new_tokens, args.models = [4], 16, 8, args.models[:1]
+        args.hf = False
+    elif jax.default_backend() != "gpu":
+        ap.error(f"a GPU benchmark; this process has {jax.default_backend()} (use --small for a dry run)")
+    dev = jax.devices()[0]
+    res = {"bench": "gpu", "device": dev.device_kind, "jax": jax.__version__, "small": args.small}
+    bw = copy_bandwidth(64 << 20 if args.small else 2 << 30, args.repeats)
+    res["copy_tb_s"] = bw / 1e12
+    print(f"device {dev.device_kind}, jax {jax.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    if "gemm" in args.parts:
+        rows = bench_gemm(args, bw)
+        res["gemm"] = rows
+        print(f"\n(a) decode GEMMs, {args.copies} weight copies rotated, {args.iters} GEMMs per timed loop")
+        print(f"{'K':>5} {'N':>5} {'M':>4} {'variant':>7} {'us':>8} {'x bf16':>7} {'TB/s':>6} {'of copy':>7}")
+        for r in rows:
+            print(f"{r['k']:>5} {r['n']:>5} {r['m']:>4} {r['variant']:>7} {r['us']:>8.1f} {r['speedup_vs_bf16']:>7.2f} "
+                  f"{r['tb_s']:>6.2f} {r['frac_copy_bw']:>7.0%}")
+
+        def speed(v, ms):
+            return min(r["speedup_vs_bf16"] for r in rows if r["variant"] == v and r["m"] in ms)
+        res["gemm_targets"] = {
+            "w4a16_2.5x_at_m1_16": speed("w4a16", (1, 16)) >= TARGETS["w4a16_m1_16"],
+            "w4a16_1.5x_at_m64": speed("w4a16", (64,)) >= TARGETS["w4a16_m64"] if 64 in args.gemm_ms else None,
+            "w4a16_not_slower_at_m256": speed("w4a16", (256,)) >= 1.0 if 256 in args.gemm_ms else None,
+            "w4a4_2x_at_m_le_16": speed("w4a4", (1, 16)) >= TARGETS["w4a4_m16"]}
+    if "engine" in args.parts:
+        rows = bench_engine(args, bw)
+        res["engine"] = rows
+        print(f"\n(b) engine decode, prompt {args.prompt_len}, {args.new_tokens} new tokens, random init, bf16")
+        print(f"{'model':>12} {'batch':>5} {'sampler':>7} {'tok/s':>9} {'ms/step':>8} {'x bf16':>7} {'roofline':>8}")
+        for r in rows:
+            rf = r.get("roofline_frac")
+            print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>7} {r['decode_tok_s']:>9.0f} {r['step_ms']:>8.2f} "
+                  f"{r['vs_bf16']:>7.2f} {'-' if rf is None else f'{rf:.0%}':>8}")
+    if "first_call" in args.parts:
+        name = args.models[-1]
+        fc = first_call(name, args.batches[0], args.prompt_len, args.new_tokens) if not args.small else {}
+        res["first_call"] = {"model": name, **fc}
+        print(f"\nfirst rollout call in a fresh process ({name}): {fc}")
+    if "agree" in args.parts:
+        res["agree"] = agree(args)
+        print(f"\n(c) {res['agree']}")
+    print(json.dumps(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""GPU checks (`python -m pytest -m gpu -n 0` on a machine with a CUDA GPU; skipped elsewhere).
+
+- Every quantizer and dequantizer of tests/quant_cases.py gives on the GPU the bits the CPU device of the same
+  process gives (docs/numerics.md, "GPU": the CPU's bits are TE's).
+- qdot / qragged_dot: the GPU equals the CPU within float32 accumulation order (exact block-scaled bf16 operands;
+  only the GEMM's summation order may differ), in every 4-bit preset.
+- The rollout engine: a request's tokens and log-probs do not depend on the schedule (slots, batching) on the GPU.
+- Exact mode: the learner's recompute equals the sampler's log-probs bit for bit on the GPU, dense and MoE,
+  unquantized and W4A4. Its CPU guarantees rest on XLA:CPU's kernels being row-count invariant from 64 rows on;
+  on the GPU the GEMM's tiling, split-K and autotuning are chosen by shape, so this test is what tells whether
+  exact mode holds there (docs/numerics.md, "Exact mode").
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import quant_cases
+from triage_jax import quant
+from triage_jax.quant import PRESETS
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (jax.default_backend())")]
+
+
+def _on(device_kind: str):
+    return jax.default_device(jax.devices(device_kind)[0])
+
+
+@pytest.mark.parametrize("case", sorted(quant_cases.inputs()))
+def test_quantizers_give_the_cpu_bits(case):
+    x_np = quant_cases.inputs()[case]
+    bad = []
+    for op in sorted(quant_cases.OPS):
+        with _on("cpu"):
+            want = quant_cases.run(op, jnp.asarray(x_np))
+        with _on("gpu"):
+            got = quant_cases.run(op, jnp.asarray(x_np))
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            differ = quant_cases.bits(a) != quant_cases.bits(b)
+            if differ.any():
+                bad.append(f"{op}[{i}]: {int(differ.sum())} of {differ.size}")
+    assert not bad, f"{case}: the GPU's bits differ from the CPU's: {bad}"
+
+
+def _rand(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("preset", ["w4a16", "w4a8", "w4a4", "fp8", "w4a4_mx", "w4a8_mx"])
+def test_qdot_on_the_gpu_equals_the_cpu_up_to_accumulation_order(preset):
+    x, w = np.asarray(_rand((256, 1024), 1)), np.asarray(_rand((1024, 512), 2) * 0.03)
+    out = {}
+    for kind in ("cpu", "gpu"):
+        with _on(kind):
+            f = jax.jit(lambda a, b: quant.qdot(a, b, PRESETS[preset]))
+            out[kind] = np.asarray(f(jnp.asarray(x), jnp.asarray(w)), np.float64)
+            qw = quant.prequantize(jnp.asarray(w), PRESETS[preset])
+            out[kind + "_pre"] = np.asarray(f(jnp.asarray(x), qw), np.float64)
+    scale = np.abs(out["cpu"]).max()
+    for k in ("gpu", "gpu_pre"):
+        np.testing.assert_allclose(out[k], out["cpu"], rtol=1e-5, atol=2e-6 * scale)
+    np.testing.assert_array_equal(out["gpu_pre"], out["gpu"])  # a prequantized weight: the same forward
+
+
+def test_qragged_dot_on_the_gpu_equals_the_cpu_up_to_accumulation_order():
+    x, w = np.asarray(_rand((384, 512), 3)), np.asarray(_rand((4, 512, 256), 4) * 0.03)
+    gs = np.asarray([100, 0, 200, 84], np.int32)
+    out = {}
+    for kind in ("cpu", "gpu"):
+        with _on(kind):
+            out[kind] = np.asarray(quant.qragged_dot(jnp.asarray(x), jnp.asarray(w), jnp.asarray(gs),
+                                                     PRESETS["w4a4"]), np.float64)
+    np.testing.assert_allclose(out["gpu"], out["cpu"], rtol=1e-5, atol=2e-6 * np.abs(out["cpu"]).max())
+
+
+def test_schedule_never_changes_a_request_on_the_gpu():
+    """The CPU suite's engine property (tests/test_engine.py), on the GPU: slots, waves, round sizes and prefill
+    batches change no request's tokens or log-probs. A GPU GEMM whose algorithm follows the slot count breaks it."""
+    import test_engine
+    from flax import nnx
+    from triage_jax.models import Qwen3, get_model_config
+
+    test_engine.test_schedule_never_changes_a_request(Qwen3(get_model_config("tiny", num_hidden_layers=2),
+                                                            rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("preset,precision,dtype", [
+    ("tiny", "bf16", "float32"), ("tiny", "w4a4", "bfloat16"), ("tiny_moe", "bf16", "float32"),
+    ("tiny_moe", "w4a4", "bfloat16"),
+])
+def test_exact_mode_delta_is_zero_on_the_gpu(preset, precision, dtype):
+    from test_exact import _delta, _model, _prompts, _sample
+    from triage_jax.sampler import sampler_policy
+
+    model = _model(preset, dtype)
+    policy = sampler_policy(precision, exact=True)
+    out = _sample(model, policy, _prompts(model.cfg.vocab_size, 12), slots=10)
+    d = _delta(model, policy, out)
+    assert d.size > 200 and np.all(d == 0.0), (
+        f"exact mode on the GPU: {np.count_nonzero(d)} of {d.size} tokens differ (max {abs(d).max():.3g}); "
+        "a GPU GEMM chosen by shape (split-K, tiling) breaks the row-count invariance exact mode relies on")
