@@ -59,6 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.run_dir = "runs/default"
+    # The persistent XLA compilation cache (triage_jax/compile_cache.py): "auto" ($JAX_COMPILATION_CACHE_DIR, else
+    # ~/.cache/triage_jax/xla), "" off, or a folder. A second run loads the compiled programs.
+    c.compile_cache = "auto"
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "tiny"  # a models.config preset name, ignored when hf_path is set

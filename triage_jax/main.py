@@ -70,9 +70,10 @@ def main(argv) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
-    from triage_jax import distributed
+    from triage_jax import compile_cache, distributed
 
     distributed.initialize()  # multi-host: before any JAX work; a no-op on one host
+    compile_cache.enable(c.compile_cache)
     from triage_jax.trainer import Interrupted, Trainer
 
     errors = _user_errors()

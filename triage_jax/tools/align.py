@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triage_jax import compile_cache
 from triage_jax.quant import PRESETS, backends, qdot, qragged_dot
 
 SMALL = {"quantize": [(16, 64), (2, 16, 128)], "dot": [(16, 64, 32)]}
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dot-rtol", type=float, default=1e-5, help="allowed dot error relative to max |reference|")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    compile_cache.enable()
 
     avail = backends.available_backends()
     wanted = [b for b in args.backends.split(",") if b] or list(avail)

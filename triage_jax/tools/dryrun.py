@@ -316,6 +316,9 @@ def main(argv) -> None:
     if c is None:
         raise app.UsageError("pass --config=configs/NAME.py")
     mesh_shape = parse_mesh(_MESH.value)
+    from triage_jax import compile_cache
+
+    compile_cache.enable(c.compile_cache)
     remats = {"config": [c.model.remat], "all": ["none", "full", "save_dots"]}.get(_REMAT.value, [_REMAT.value])
     hbm = [float(h) for h in _HBM.value]
     t0 = time.perf_counter()

@@ -33,6 +33,9 @@ def main(argv) -> None:
     if any(k > _N.value for k in ks):
         sys.exit(f"error: every --k must be <= --n={_N.value}, got {ks}")
     validate(c)
+    from triage_jax import compile_cache
+
+    compile_cache.enable(c.compile_cache)
     if _SET.value == "synthetic":
         examples = list(build.held_out(c, _LIMIT.value or 500))  # problems training never sees
     else:

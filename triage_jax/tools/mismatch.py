@@ -40,7 +40,7 @@ import sys
 
 from flax import nnx
 
-from triage_jax import data, models, probe
+from triage_jax import compile_cache, data, models, probe
 from triage_jax.quant import PRESETS
 from triage_jax.quant.policy import parse_rules
 from triage_jax.sampler import SamplingConfig
@@ -222,6 +222,7 @@ def _json_safe(v):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compile_cache.enable()
     try:
         result = decompose(args) if args.decompose else run(args)
     except ValueError as e:
