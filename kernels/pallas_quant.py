@@ -1,8 +1,16 @@
 """Pallas kernels: NVFP4 and MXFP8 quantize, and a fused dequantize-matmul over block-scaled operands.
 
 Importing this module registers the `pallas` quantization backend (`register()`; the registry in
-triage_jax/quant/backends.py imports it on its first query). Interpret mode on CPU (the bit-exactness checks),
-compiled on GPU. The per-block math is the reference's own
+triage_jax/quant/backends.py imports it on its first query). Interpret mode on CPU (the bit-exactness checks).
+
+On a GPU these kernels do not lower yet, and the backend's probe says why. Mosaic GPU (the maintained Pallas GPU
+lowering, the one with Hopper's wgmma and TMA; Triton's is deprecated in JAX 0.11 and, at jax 0.10.2, fails on a
+bitcast of a folded constant) reduces only over a whole axis of a register tile (`No support for axes yet` for the
+per-16-element block max of an [rows, K] tile), and its TMA copies need 16-byte strides (a [rows, 1] per-row scale
+has 4). `tests/test_quant_backends.py::test_pallas_lowers_for_cuda` exports them for CUDA on the CPU and records
+the first lowering error, so the state is checked without a GPU. A GPU version lays the blocks out for it: one
+16-element block per tile row (the max over the tile's minor axis), the even and odd elements as separate
+inputs, the per-row scales as a [rows] vector. The per-block math is the reference's own
 (`formats.nvfp4_encode_blocks`, `formats.mxfp8_encode_blocks`), applied to one VMEM/SMEM tile at a time, so the
 kernels differ from the reference only in tiling, layout and packing, which is what the tests check. The global
 amax is a separate reduction pass before the quantize kernel (as in TE). Float8 outputs leave the kernels as their
@@ -20,6 +28,7 @@ from jax.experimental import pallas as pl
 
 from triage_jax.quant import backends as be
 from triage_jax.quant import formats as fmt
+from triage_jax.quant import ieee
 
 F32 = jnp.float32
 
@@ -41,16 +50,21 @@ def _block(dim: int, target: int, multiple: int) -> int:
     return dim
 
 
-def _nvfp4_kernel(x_ref, s_ref, packed_ref, scale_ref, *, tile2d: bool):
-    x = x_ref[...].astype(F32)
+def _recip(v):
+    """1 / v as the CPU divides (ieee.div's other branch, written out: a kernel body cannot branch by platform)."""
+    return ieee.div_flushed(jnp.float32(1.0), v)
+
+
+def _nvfp4_kernel(x_ref, s_ref, d_ref, packed_ref, scale_ref, *, tile2d: bool):
+    x = ieee.flush_subnormals(x_ref[...].astype(F32))
     bm, bk = x.shape
     xb = x.reshape(bm, bk // fmt.NVFP4_BLOCK, fmt.NVFP4_BLOCK)
     ba = jnp.max(jnp.where(jnp.isnan(xb), 0.0, jnp.abs(xb)), axis=-1)
     if tile2d:
         t = ba.reshape(bm // fmt.NVFP4_BLOCK, fmt.NVFP4_BLOCK, ba.shape[-1])
         ba = jnp.broadcast_to(jnp.max(t, axis=1, keepdims=True), t.shape).reshape(ba.shape)
-    s_enc = s_ref[...]  # [bm, 1]
-    packed, scale = fmt.nvfp4_encode_blocks(xb, ba, s_enc, jnp.float32(1.0) / s_enc)
+    s_enc, s_dec = s_ref[...], d_ref[...]  # [bm, 1]
+    packed, scale = fmt.nvfp4_encode_blocks(xb, ba, s_enc, s_dec, recip=_recip)
     packed_ref[...] = packed
     scale_ref[...] = jax.lax.bitcast_convert_type(scale, jnp.uint8)
 
@@ -64,10 +78,12 @@ def quantize_nvfp4(
     lead, k = x.shape[:-1], x.shape[-1]
     if amax is None:
         amax = fmt.amax_from_blocks(fmt.nvfp4_block_amax(x, scaling), scaling)  # the separate amax pass
-    s_enc = fmt.nvfp4_global_scale(amax)
+    s_enc, s_dec = fmt.nvfp4_global_scales(amax)
     x2 = x.reshape(math.prod(lead), k)
     m = x2.shape[0]
-    s_rows = jnp.broadcast_to(s_enc, lead + (1,)).reshape(m, 1) if scaling == "row" else jnp.full((m, 1), s_enc)
+
+    def rows(v):
+        return jnp.broadcast_to(v, lead + (1,)).reshape(m, 1) if scaling == "row" else jnp.full((m, 1), v)
     # tile2d: a row tile never splits a 16x16 tile (tiles do not cross the matrices of a batched weight either).
     bm = _block(m, block_m, fmt.NVFP4_BLOCK if scaling == "tile2d" else 8)
     bk = _block(k, block_k, 32 if k % 32 == 0 else fmt.NVFP4_BLOCK)
@@ -78,14 +94,15 @@ def quantize_nvfp4(
             jax.ShapeDtypeStruct((m, k // fmt.NVFP4_BLOCK), jnp.uint8),
         ),
         grid=(m // bm, k // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), pl.BlockSpec((bm, 1), lambda i, j: (i, 0))],
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j: (i, j)), pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
+                  pl.BlockSpec((bm, 1), lambda i, j: (i, 0))],
         out_specs=(
             pl.BlockSpec((bm, bk // 2), lambda i, j: (i, j)),
             pl.BlockSpec((bm, bk // fmt.NVFP4_BLOCK), lambda i, j: (i, j)),
         ),
         interpret=default_interpret() if interpret is None else interpret,
         name="nvfp4_quantize",
-    )(x2, s_rows)
+    )(x2, rows(s_enc), rows(s_dec))
     return fmt.NVFP4Tensor(
         packed=packed.reshape(*lead, k // 2),
         scale=jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn).reshape(*lead, k // fmt.NVFP4_BLOCK),
@@ -95,9 +112,10 @@ def quantize_nvfp4(
 
 
 def _mxfp8_kernel(x_ref, data_ref, scale_ref):
-    x = x_ref[...].astype(F32)
+    x = ieee.flush_subnormals(x_ref[...].astype(F32))
     bm, bk = x.shape
-    q, e = fmt.mxfp8_encode_blocks(x.reshape(bm, bk // fmt.MXFP8_BLOCK, fmt.MXFP8_BLOCK))
+    q, e = fmt.mxfp8_encode_blocks(x.reshape(bm, bk // fmt.MXFP8_BLOCK, fmt.MXFP8_BLOCK),
+                                   ftz=ieee.flush_subnormals)
     data_ref[...] = jax.lax.bitcast_convert_type(q, jnp.uint8).reshape(bm, bk)
     scale_ref[...] = e
 
@@ -243,9 +261,10 @@ def _quantize(x, fmt_name, scaling="tensor", amax=None):
     return be.reference_quantize(x, fmt_name, scaling, amax)  # FP8 per-tensor is one multiply: no kernel
 
 
+# `auto` never picks this backend: no GPU measurement has shown these kernels faster than the xla backend's fused
+# quantizers and GEMM (the issue's rule: auto only where measured faster); name it to use it.
 BACKEND = be.Backend(
-    "pallas", _probe, _quantize, lambda lhs, rhs: dequant_matmul(lhs, rhs),
-    accelerated=lambda: jax.default_backend() == "gpu",
+    "pallas", _probe, _quantize, lambda lhs, rhs: dequant_matmul(lhs, rhs), accelerated=lambda: False,
 )  # dense forward composed from these; grouped: these quantizers + the reference grouped GEMM
 
 

@@ -478,11 +478,14 @@ def nvfp4_global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     return s_enc, ieee.recip(s_enc)
 
 
-def nvfp4_block_scales(ba: jax.Array, s_enc: jax.Array, s_dec: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def nvfp4_block_scales(ba: jax.Array, s_enc: jax.Array, s_dec: jax.Array, recip=None
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(E4M3 block scale as float32, its code, element multiplier inv) from block amaxes ba, in TE's order:
-    s = e4m3(min(ba * (S * (1/6)), 448)) (TE folds 1/6 into S first), inv = min(1 / (s * S_dec), FLT_MAX)."""
+    s = e4m3(min(ba * (S * (1/6)), 448)) (TE folds 1/6 into S first), inv = min(1 / (s * S_dec), FLT_MAX).
+    `recip` (default ieee.recip) is the reciprocal; a kernel body passes a platform-free one (ieee.div_flushed)."""
+    recip = ieee.recip if recip is None else recip
     scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
-    return scale_f32, code, jnp.minimum(ieee.recip(scale_f32 * s_dec), FLT_MAX)
+    return scale_f32, code, jnp.minimum(recip(scale_f32 * s_dec), FLT_MAX)
 
 
 def nvfp4_decode_factor(amax: jax.Array) -> jax.Array:
@@ -514,13 +517,14 @@ def amax_from_blocks(ba: jax.Array, scaling: Scaling) -> jax.Array:
 
 
 def nvfp4_encode_blocks(
-    xb: jax.Array, ba: jax.Array, s_enc: jax.Array, s_dec: jax.Array, sr_key: jax.Array | None = None
+    xb: jax.Array, ba: jax.Array, s_enc: jax.Array, s_dec: jax.Array, sr_key: jax.Array | None = None, recip=None
 ) -> tuple[jax.Array, jax.Array]:
     """The per-block core shared by every NVFP4 backend: blocks [..., nb, 16] -> (packed codes, E4M3 scales).
 
-    ba: block amax [..., nb]; s_enc, s_dec: global encode / decode scales broadcastable to ba.
+    ba: block amax [..., nb]; s_enc, s_dec: global encode / decode scales broadcastable to ba; recip: see
+    nvfp4_block_scales.
     """
-    _, code, inv = nvfp4_block_scales(ba, s_enc, s_dec)
+    _, code, inv = nvfp4_block_scales(ba, s_enc, s_dec, recip)
     scale = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
     # Even and odd elements are rounded apart and or-ed into bytes: XLA:CPU vectorizes this form (the
     # reshape-to-pairs form runs ~15x slower).
@@ -703,10 +707,12 @@ def _pow2_neg_biased(e: jax.Array) -> jax.Array:
     return jnp.where(e == 255, jnp.float32(jnp.nan), out)
 
 
-def mxfp8_encode_blocks(xb: jax.Array, rounding: str = "rceil") -> tuple[jax.Array, jax.Array]:
-    """The per-block MXFP8 core shared by every backend: blocks [..., nb, 32] -> (E4M3 data, biased exponent u8)."""
+def mxfp8_encode_blocks(xb: jax.Array, rounding: str = "rceil", ftz=None) -> tuple[jax.Array, jax.Array]:
+    """The per-block MXFP8 core shared by every backend: blocks [..., nb, 32] -> (E4M3 data, biased exponent u8).
+    `ftz` (default ieee.ftz) flushes the scaled amax; a kernel body passes ieee.flush_subnormals (no platform branch)."""
+    ftz = ieee.ftz if ftz is None else ftz
     amax = jnp.max(_nan_to_zero_abs(xb), axis=-1)
-    e = _e8m0_rceil(ieee.ftz(amax * jnp.float32(1.0 / E4M3_MAX))) if rounding == "rceil" else _e8m0_floor(amax)
+    e = _e8m0_rceil(ftz(amax * jnp.float32(1.0 / E4M3_MAX))) if rounding == "rceil" else _e8m0_floor(amax)
     q = e4m3_cast(xb * _pow2_neg_biased(e)[..., None])
     return q, e.astype(jnp.uint8)
 
