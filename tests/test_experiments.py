@@ -340,8 +340,10 @@ def test_outcome_applies_the_collapse_rule_and_the_monitor():
     hist = []
     for i in range(1, 41):
         acc = 0.6 if i < 15 else 0.1
+        # The monitor reads rho_asym over its null by default (docs/rl_math.md#nulls): both climb here.
         hist.append({"step": i, "reward/accuracy": acc, "mismatch/rho_asym": 1.0 + 0.1 * i,
-                     "mismatch/tail_persistence": 1.0, "mismatch/delta_q05": -0.05, "reward/mean": 2 * acc - 1})
+                     "mismatch/rho_asym_excess": 1.0 + 0.1 * i, "mismatch/tail_persistence": 1.0,
+                     "mismatch/delta_q05": -0.05, "reward/mean": 2 * acc - 1})
     out = stability.outcome(hist, {}, final_steps=4)
     assert out["collapsed"] and out["collapse_step"] == 15
     assert out["first_alarm_step"] is not None and out["first_alarm_step"] < 15
@@ -350,7 +352,7 @@ def test_outcome_applies_the_collapse_rule_and_the_monitor():
     assert out["final"]["reward/accuracy"] == pytest.approx(0.1)
     assert out["final"]["mismatch/rho_asym"] == pytest.approx(1.0 + 0.1 * 38.5)
     assert out["final"]["mismatch/hidden_by_mean"] is None  # never logged: no number invented
-    calm = [{**r, "reward/accuracy": 0.6, "mismatch/rho_asym": 0.8} for r in hist]
+    calm = [{**r, "reward/accuracy": 0.6, "mismatch/rho_asym": 0.8, "mismatch/rho_asym_excess": 0.8} for r in hist]
     out = stability.outcome(calm, {}, final_steps=4)
     assert not out["collapsed"] and out["collapse_step"] is None and out["first_alarm_step"] is None
 

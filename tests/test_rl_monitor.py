@@ -147,5 +147,11 @@ def test_default_reads_the_null_normalized_statistics():
     assert first_alarms(confounded, CFG)["rho_asym"] == 9  # the raw metrics alarm on the same history
     real = history(40, rho_asym_excess=lambda t: 1.0 + 0.045 * t)
     assert first_alarms(real, default)["rho_asym"] == 9
+    # A run's saved settings from before the nulls (no metric keys) replay on the raw metrics it watched; the config
+    # written today names the null-normalized ones.
+    from triage_jax.config import base_config
+
+    assert monitor_config({"enabled": True}).rho_metric == "rho_asym"
+    assert monitor_config(base_config().monitor.to_dict()) == default
     direction = history(40, rho_asym_direction=lambda t: 1.0 + 0.045 * t)
     assert first_alarms(direction, MonitorConfig(rho_metric="rho_asym_direction"))["rho_asym"] == 9

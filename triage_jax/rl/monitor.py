@@ -70,11 +70,17 @@ class MonitorConfig:
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
 
 
+# Settings saved by runs from before the nulls existed have no metric keys: those runs watched the raw metrics.
+SAVED_BEFORE_NULLS = {"rho_metric": "rho_asym", "persistence_metric": "tail_persistence"}
+
+
 def monitor_config(settings: Mapping) -> MonitorConfig:
     """A MonitorConfig from `config.monitor` (its run keys enabled / action / action_level / correction set
-    aside); a missing key takes its default, a wrong one raises naming it."""
+    aside); a missing threshold takes its default, a wrong key raises naming it. Missing metric keys mean a run's
+    settings saved before the nulls existed (SAVED_BEFORE_NULLS: the raw metrics it watched), so a replayed old
+    study keeps its alarms; the config written today always holds them."""
     run_keys = {"enabled", "action", "action_level", "correction"}
-    return MonitorConfig(**{k: v for k, v in settings.items() if k not in run_keys})
+    return MonitorConfig(**{**SAVED_BEFORE_NULLS, **{k: v for k, v in settings.items() if k not in run_keys}})
 
 
 @dataclasses.dataclass(frozen=True)
