@@ -19,9 +19,9 @@ wall time, load), so a later study can extend it; `report` turns them into `resu
 Rules, fixed before the first run (docs: experiments/README.md, "The collapse-rate study"):
 
 1. Regime, BF16 only. Each candidate cell (CELLS) runs BF16 seeds 0, 1, 2 for STEPS steps. A cell qualifies when
-   all three end with held-out avg@8 above the warm-up policy's and none collapses. The study runs in the
-   qualifying cell with the largest learning rate (the most stress under which BF16 still learns); `report`
-   picks it from the data.
+   all three end with held-out avg@8 above the warm-up policy's and none collapses (so one seed that does not
+   decides the cell, and its remaining seeds are not run). The study runs in the qualifying cell with the largest
+   learning rate (the most stress under which BF16 still learns); `report` picks it from the data.
 2. Collapse: `triage_jax.rl.monitor.collapsed` (rollout accuracy below half its running peak for 20 consecutive
    steps, or delta_q05 below -10), unchanged from the earlier studies. Over STEPS = 300 steps an onset at step
    <= 280 can be confirmed (the horizon); a run without a confirmed onset counts as a survival censored at 280.
@@ -254,8 +254,13 @@ def main(argv=None) -> None:
                 p.error(f"--cells: unknown {unknown}; choose from {list(CELLS)}")
             seeds = parse_seeds(args.seeds) if args.seeds else list(REGIME_SEEDS)
             warmup_eval(study, cells[0])
+            from experiments import collapse_report
+
             for seed in seeds:
                 for cell in cells:
+                    row = next(r for r in collapse_report.regime(study.parts) if r["cell"] == cell)
+                    if row["decided"] and not row["complete"]:
+                        continue  # a seed that did not learn already decided the cell: its other seeds add nothing
                     run_one(study, cell, "bf16", seed)
         else:
             from experiments import collapse_report

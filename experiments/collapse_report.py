@@ -75,23 +75,27 @@ def regime(parts: str) -> list[dict]:
         done = sorted(recs)
         after = [recs[s]["eval"]["avg@8"] for s in done]
         collapsed = [onset(recs[s])[0] for s in done]
+        failed = base is not None and any(a <= base or c for a, c in zip(after, collapsed))
         complete = len(done) == len(REGIME_SEEDS) and base is not None
-        ok = complete and all(a > base for a in after) and not any(collapsed)
+        ok = complete and not failed
+        # One seed that did not learn (or collapsed) decides the cell: the rule needs all three.
         out.append({"cell": cell, "lr": spec.lr, "description": spec.description, "seeds": done,
                     "avg8_before": base, "avg8_after": after, "collapsed": collapsed, "complete": complete,
-                    "qualifies": ok})
+                    "decided": failed or complete, "qualifies": ok})
     return out
 
 
 def regime_complete(parts: str) -> bool:
-    """Whether every candidate cell has its three BF16 runs (the regime rule can be read)."""
-    return all(r["complete"] for r in regime(parts))
+    """Whether every candidate cell is decided: its three BF16 runs all learned, or one of them did not."""
+    return all(r["decided"] for r in regime(parts))
 
 
 def chosen_cell(parts: str) -> str | None:
-    """The regime rule: among the cells whose three BF16 runs all learned without collapsing, the largest lr."""
-    ok = [r for r in regime(parts) if r["qualifies"]]
-    return max(ok, key=lambda r: r["lr"])["cell"] if ok else None
+    """The regime rule: among the cells whose three BF16 runs all learned without collapsing, the largest lr; None
+    while a cell is undecided."""
+    rows = regime(parts)
+    ok = [r for r in rows if r["qualifies"]]
+    return max(ok, key=lambda r: r["lr"])["cell"] if ok and all(r["decided"] for r in rows) else None
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -282,7 +286,7 @@ def markdown(rep: dict) -> str:
     lines.append(common.markdown_table(
         ["cell", "lr", "seeds done", "avg@8 after (per seed)", "collapsed", "qualifies"],
         [[r["cell"], r["lr"], len(r["seeds"]), " / ".join(_f(a) for a in r["avg8_after"]),
-          sum(r["collapsed"]), "yes" if r["qualifies"] else ("no" if r["complete"] else "pending")]
+          sum(r["collapsed"]), "yes" if r["qualifies"] else ("no" if r["decided"] else "pending")]
          for r in rep["regime"]]))
     lines += ["", f"Chosen cell: **{rep['chosen_cell'] or 'none yet'}**", ""]
     if "bf16_vs_nvfp4" in rep:

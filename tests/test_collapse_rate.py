@@ -46,9 +46,10 @@ def test_regime_picks_the_largest_learning_rate_whose_bf16_runs_all_learn(tmp_pa
     for seed in (0, 1, 2):
         write(parts, record("lr1e-4", "bf16", seed, flat(), 0.45))
         write(parts, record("lr3e-4", "bf16", seed, flat(), 0.50))
-    assert not rep.regime_complete(parts)  # lr1e-3 has no runs yet
+    assert not rep.regime_complete(parts) and rep.chosen_cell(parts) is None  # lr1e-3 has no runs yet
     write(parts, record("lr1e-3", "bf16", 0, flat(), 0.55))
     write(parts, record("lr1e-3", "bf16", 1, collapsing(10), 0.55))  # one collapse disqualifies the cell
+    assert rep.regime_complete(parts) and rep.chosen_cell(parts) == "lr3e-4"  # decided without seed 2
     write(parts, record("lr1e-3", "bf16", 2, flat(), 0.55))
     rows = {r["cell"]: r for r in rep.regime(parts)}
     assert rep.regime_complete(parts) and rows["lr1e-3"]["collapsed"] == [False, True, False]
