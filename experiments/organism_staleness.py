@@ -2,7 +2,7 @@
 staleness mismatch side by side.
 
     python experiments/organism_staleness.py [--staleness 0,1,2] [--arms nvfp4,nvfp4_tis,nvfp4_triage,opsm]
-        [--steps 20] [--seeds 0,1,2] [--thresholds experiments/results/organism_thresholds.json] [--jobs 2]
+        [--steps 20] [--seeds 0,1,2] [--thresholds experiments/results/organism/organism_thresholds.json] [--jobs 2]
         [--precision_gate 2] [--quick] [--tag organism_staleness] [--merge results/<earlier tag>.json ...]
 
 Each staleness value s is one `experiments/organism.py --staleness s` study (same cell, thresholds fixed by the
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--arms", default="nvfp4,nvfp4_tis,nvfp4_triage,opsm")
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 20; --quick: organism.py's)")
     p.add_argument("--seeds", default=None, help="comma-separated RL seeds (default 0,1,2; --quick: organism.py's)")
-    p.add_argument("--thresholds", default=os.path.join(common.ROOT, "experiments", "results",
+    p.add_argument("--thresholds", default=os.path.join(common.ROOT, "experiments", "results", "organism",
                                                          "organism_thresholds.json"),
                    help="TRIAGE thresholds fixed beforehand: the organism study's pilot (experiments/organism.py)")
     p.add_argument("--precision_gate", default=None,
