@@ -230,6 +230,7 @@ def main(argv=None) -> None:
     p.add_argument("--out_dir", default=Study.out_dir, help="where the run folders (checkpoints, logs) go")
     p.add_argument("--parts", default=PARTS, help="where each finished run's record goes (the study's data)")
     p.add_argument("--results", default=RESULTS, help="report: where collapse_rate.{json,md} go")
+    p.add_argument("--figures", default=common.FIGURES, help="report: where collapse_rate.png goes ('' for none)")
     p.add_argument("--steps", type=int, default=STEPS, help=f"steps per run (the study's rule: {STEPS})")
     p.add_argument("--eval_problems", type=int, default=EVAL["eval_problems"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -244,7 +245,7 @@ def main(argv=None) -> None:
     if args.phase == "report":
         from experiments import collapse_report
 
-        collapse_report.write(study.parts, args.results)
+        collapse_report.write(study.parts, args.results, args.figures)
         return
     with common.compile_cache(args.compile_cache):
         if args.phase == "regime":

@@ -341,8 +341,51 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def write(parts: str, results: str) -> dict:
+FIGURE_CURVES = (("reward/accuracy", "rollout accuracy"), ("mismatch/mean_abs_delta", "mean |delta|"),
+                 ("mismatch/rho_asym", "rho_asym (raw)"), ("mismatch/rho_asym_excess", "rho_asym / shuffle null"),
+                 ("mismatch/rho_asym_direction", "direction odds ratio"), ("entropy", "entropy"))
+
+
+def figure(parts: str, path: str, smooth: int = 15) -> str | None:
+    """The chosen cell's curves per arm (mean over seeds of a trailing mean, min..max band) and the Kaplan-Meier
+    survival of each arm; None when the cell has no runs yet."""
+    cell = chosen_cell(parts)
+    recs = load(parts).get(cell, []) if cell else []
+    if not recs:
+        return None
+    plt = common.use_agg()
+    by_arm: dict[str, list[dict]] = {}
+    for r in recs:
+        by_arm.setdefault(r["arm"], []).append(r)
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7))
+    for ax, (key, label) in zip(axes.flat, FIGURE_CURVES):
+        for arm, rs in sorted(by_arm.items()):
+            n = min(len(r["history"]["step"]) for r in rs)
+            vals = np.asarray([[np.nan if v is None else v for v in r["history"].get(key, [None] * n)[:n]]
+                               for r in rs], float)
+            common.band(ax, np.arange(n), common.rolling_mean(vals, smooth), f"{arm} ({len(rs)} seeds)")
+        ax.set_title(label)
+        ax.set_xlabel("step")
+    ax = axes.flat[len(FIGURE_CURVES)]
+    for arm, rs in sorted(by_arm.items()):
+        horizon = max(r["steps"] for r in rs) - 20
+        km = kaplan_meier(*survival(rs, horizon))
+        xs, ys = [p[0] for p in km] + [horizon], [p[1] for p in km] + [km[-1][1]]
+        ax.step(xs, ys, where="post", label=arm)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("surviving (collapse rule; censored at the horizon)")
+    ax.set_xlabel("step")
+    axes.flat[-1].axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.subplots_adjust(hspace=0.35)
+    fig.suptitle(f"collapse-rate study, cell {cell}: mean over seeds of a {smooth}-step trailing mean, min..max band")
+    return common.save_figure(fig, path)
+
+
+def write(parts: str, results: str, figures: str | None = None) -> dict:
     rep = build(parts)
+    if figures:
+        rep["figure"] = figure(parts, os.path.join(figures, "collapse_rate.png"))
     os.makedirs(results, exist_ok=True)
     common.write_json(os.path.join(results, "collapse_rate.json"), rep)
     with open(os.path.join(results, "collapse_rate.md"), "w") as f:

@@ -122,3 +122,21 @@ def test_claims_share_runs_between_workers(tmp_path):
     assert cr.claim(part)  # its process is gone: the stale lock is taken over
     with open(part + ".lock") as f:
         assert int(f.read()) == os.getpid()
+
+
+def test_report_writes_its_table_json_and_figure(tmp_path):
+    parts, out = str(tmp_path / "parts"), str(tmp_path / "out")
+    os.makedirs(parts)
+    with open(os.path.join(parts, "warmup_eval.json"), "w") as f:
+        json.dump({"avg@8": 0.40}, f)
+    for seed in (0, 1, 2):
+        write(parts, record("lr1e-4", "bf16", seed, flat(60), 0.5))
+        write(parts, record("lr1e-4", "nvfp4", seed, collapsing(20, 60) if seed == 0 else flat(60), 0.45))
+    for cell in ("lr3e-4", "lr1e-3"):
+        write(parts, record(cell, "bf16", 0, flat(60), 0.3))
+    got = rep.write(parts, out, figures=out)
+    assert got["chosen_cell"] == "lr1e-4" and got["bf16_vs_nvfp4"]["collapses"] == [0, 1]
+    assert os.path.getsize(os.path.join(out, "collapse_rate.png")) > 10000
+    md = open(os.path.join(out, "collapse_rate.md")).read()
+    assert "Fisher's exact test" in md and "| nvfp4 | 0 | yes, step 20 |" in md
+    assert json.load(open(os.path.join(out, "collapse_rate.json")))["runs"]["nvfp4"][0]["onset"] == 20
