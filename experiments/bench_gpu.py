@@ -9,7 +9,8 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
 (a) gemm: decode GEMMs at Qwen3-4B's MLP shapes (K, N) = (2560, 9728) and (9728, 2560), M in {1, 16, 64, 256},
     each timed in one jitted loop that rotates through --copies weight copies (> 100 MB, so nothing is served from
     the 50 MB L2): bf16 `jnp.dot`; fp8 (`qdot`, FP8 weights prequantized); w4a16 (NVFP4 weights prequantized,
-    bf16 activations); w4a4 (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and
+    packed, bf16 activations); w4a16_int8 (the same weights as int8 2*e2m1 codes, backend xla_int8: the simplest
+    layout XLA's GEMM fusion can read); w4a4 (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and
     effective TB/s of weight bytes (codes + scales), against the device's copy bandwidth measured here.
 (b) engine: Qwen3-0.6B / 4B shapes (random init, bf16), batch 64 and 256, prompt 256, 256 new tokens: decode tok/s
     of the bf16, w4a16 and w4a4 samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
@@ -42,7 +43,7 @@ from triage_jax.quant import PRESETS, prequantize, qdot  # noqa: E402
 
 GEMM_SHAPES = ((2560, 9728), (9728, 2560))
 GEMM_MS = (1, 16, 64, 256)
-VARIANTS = ("bf16", "fp8", "w4a16", "w4a4")
+VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a4")  # w4a16_int8: NVFP4 weights as int8 codes (xla_int8)
 TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
 
 
@@ -80,9 +81,11 @@ def gemm_loop(variant: str, m: int, k: int, n: int, copies: int, iters: int):
     if variant == "bf16":
         stacked, dot = ws, (lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.float32))
     else:
-        prec = PRESETS[variant]
-        stacked = jax.vmap(lambda w: prequantize(w, prec))(ws)
-        dot = (lambda a, w: qdot(a, w, prec))
+        preset, _, layout = variant.partition("_")
+        backend = "xla_int8" if layout == "int8" else "xla"
+        prec = PRESETS[preset]
+        stacked = jax.vmap(lambda w: prequantize(w, prec, backend=backend))(ws)
+        dot = (lambda a, w: qdot(a, w, prec, backend=backend))
     one = jax.tree.map(lambda a: a[0], stacked)
 
     @jax.jit
@@ -166,10 +169,12 @@ def bench_engine(args, bw: float) -> list[dict]:
         params_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         for b in args.batches:
             sides, labels = [], []
-            for preset in ("bf16", "w4a16", "w4a4"):
-                calls, prompts = _engine_run(model, sampler_policy(preset), b, args.prompt_len, args.new_tokens)
+            for label in ("bf16", "w4a16", "w4a16_int8", "w4a4"):
+                preset, _, layout = label.partition("_")
+                policy = sampler_policy(preset, backend="xla_int8" if layout == "int8" else "xla")
+                calls, prompts = _engine_run(model, policy, b, args.prompt_len, args.new_tokens)
                 sides += calls
-                labels.append(preset)
+                labels.append(label)
             if args.hf:
                 sides += _hf_call(model, prompts, args.new_tokens)
                 labels.append("hf")
@@ -302,9 +307,9 @@ def main(argv=None) -> dict:
         rows = bench_gemm(args, bw)
         res["gemm"] = rows
         print(f"\n(a) decode GEMMs, {args.copies} weight copies rotated, {args.iters} GEMMs per timed loop")
-        print(f"{'K':>5} {'N':>5} {'M':>4} {'variant':>7} {'us':>8} {'x bf16':>7} {'TB/s':>6} {'of copy':>7}")
+        print(f"{'K':>5} {'N':>5} {'M':>4} {'variant':>10} {'us':>8} {'x bf16':>7} {'TB/s':>6} {'of copy':>7}")
         for r in rows:
-            print(f"{r['k']:>5} {r['n']:>5} {r['m']:>4} {r['variant']:>7} {r['us']:>8.1f} {r['speedup_vs_bf16']:>7.2f} "
+            print(f"{r['k']:>5} {r['n']:>5} {r['m']:>4} {r['variant']:>10} {r['us']:>8.1f} {r['speedup_vs_bf16']:>7.2f} "
                   f"{r['tb_s']:>6.2f} {r['frac_copy_bw']:>7.0%}")
 
         def speed(v, ms):
@@ -318,10 +323,10 @@ def main(argv=None) -> dict:
         rows = bench_engine(args, bw)
         res["engine"] = rows
         print(f"\n(b) engine decode, prompt {args.prompt_len}, {args.new_tokens} new tokens, random init, bf16")
-        print(f"{'model':>12} {'batch':>5} {'sampler':>7} {'tok/s':>9} {'ms/step':>8} {'x bf16':>7} {'roofline':>8}")
+        print(f"{'model':>12} {'batch':>5} {'sampler':>10} {'tok/s':>9} {'ms/step':>8} {'x bf16':>7} {'roofline':>8}")
         for r in rows:
             rf = r.get("roofline_frac")
-            print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>7} {r['decode_tok_s']:>9.0f} {r['step_ms']:>8.2f} "
+            print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>10} {r['decode_tok_s']:>9.0f} {r['step_ms']:>8.2f} "
                   f"{r['vs_bf16']:>7.2f} {'-' if rf is None else f'{rf:.0%}':>8}")
     if "first_call" in args.parts:
         name = args.models[-1]

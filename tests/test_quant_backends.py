@@ -292,3 +292,45 @@ def test_pallas_compiled_on_gpu_bit_exact():
     y = pk.dequant_matmul(quant.quantize_nvfp4(x), quant.quantize_nvfp4(w), interpret=False)
     r = backends.reference_matmul(quant.quantize_nvfp4(x), quant.quantize_nvfp4(w))
     np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()))
+
+
+@pytest.mark.parametrize("preset", ["w4a16", "w4a8", "w4a4", "fp8"])
+def test_xla_int8_weights_give_the_xla_results_bit_for_bit(preset):
+    """NVFP4 weights stored as int8 2*e2m1 codes (backend xla_int8): the same forward to the bit, dense and per
+    expert; the codes are exact (-12..12) and the values, dequantized and decoded, equal the packed tensor's."""
+    x, w, we = _x((32, 128), seed=10), _x((128, 48), seed=11) * 0.05, _x((3, 128, 48), seed=12) * 0.05
+    prec = PRESETS[preset]
+    qi, qx = quant.prequantize(w, prec, backend="xla_int8"), quant.prequantize(w, prec)
+    y = quant.qdot(x, qi, prec, backend="xla_int8")
+    np.testing.assert_array_equal(_bits(y), _bits(quant.qdot(x, qx, prec)))
+    gs = jnp.asarray([10, 0, 22], jnp.int32)
+    yg = quant.qragged_dot(x, quant.prequantize(we, prec, backend="xla_int8"), gs, prec, backend="xla_int8")
+    np.testing.assert_array_equal(_bits(yg), _bits(quant.qragged_dot(x, quant.prequantize(we, prec), gs, prec)))
+    if preset == "fp8":  # only NVFP4 weights change storage
+        assert type(qi.q) is type(qx.q)
+        return
+    assert qi.q.codes.dtype == jnp.int8 and int(jnp.abs(qi.q.codes).max()) <= 12
+    assert qi.q.codes.nbytes == 2 * qx.q.packed.nbytes
+    np.testing.assert_array_equal(np.asarray(qi.q.block_values()), np.asarray(qx.q.block_values()))
+    np.testing.assert_array_equal(np.asarray(qi.q.dequantize()), np.asarray(qx.q.dequantize()))  # -0 stored as 0
+
+
+def test_xla_int8_sampler_gives_the_xla_samplers_tokens():
+    from flax import nnx
+
+    from triage_jax.models import Qwen3, get_model_config
+    from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
+
+    model = Qwen3(get_model_config("tiny", num_hidden_layers=2), rngs=nnx.Rngs(0))
+    prompts = [[5, 17, 99, 3], [40, 41, 42], [77, 8, 9, 60]]
+
+    def sample(backend):
+        policy = sampler_policy("w4a16", backend=backend)
+        eng = Engine(SamplingConfig(max_new_tokens=12), EngineConfig(max_slots=4, max_len=32), policy=policy,
+                     model=prepare_model(model, policy))
+        out = eng.generate(prompts, jax.random.key(0), n=2)
+        return np.asarray(out.tokens), np.asarray(out.logprobs)
+
+    (t0, l0), (t1, l1) = sample("xla"), sample("xla_int8")
+    np.testing.assert_array_equal(t1, t0)
+    np.testing.assert_array_equal(l1, l0)

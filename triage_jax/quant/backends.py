@@ -38,7 +38,7 @@ AUTO_ORDER = ("te", "cudnn", "pallas", "xla")
 # Backends whose implementation lives in a kernel module that registers it on import (imported on first use).
 KERNEL_BACKENDS = {"pallas": "triage_jax.kernels.pallas_quant"}
 OPS = ("quantize", "matmul", "dot", "grouped_dot")
-QUANTIZED_TYPES = (fmt.NVFP4Tensor, fmt.MXFP4Tensor, fmt.MXFP8Tensor, fmt.FP8Tensor)
+QUANTIZED_TYPES = (fmt.NVFP4Tensor, fmt.NVFP4Int8Tensor, fmt.MXFP4Tensor, fmt.MXFP8Tensor, fmt.FP8Tensor)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -50,7 +50,7 @@ class BackendUnsupportedError(NotImplementedError):
 
 
 def is_quantized(a) -> bool:
-    """Whether `a` is a quantized tensor (NVFP4Tensor, MXFP4Tensor, MXFP8Tensor or FP8Tensor), not a raw array."""
+    """Whether `a` is a quantized tensor (one of QUANTIZED_TYPES), not a raw array."""
     return isinstance(a, QUANTIZED_TYPES)
 
 
@@ -256,6 +256,8 @@ def split_scaled(q, order: str = "natural") -> tuple[jax.Array, jax.Array]:
         return q.block_values(order).astype(BF16), q.global_decode_scale()
     if order == "split":
         raise ValueError("split K order is only produced for NVFP4 left operands")
+    if isinstance(q, fmt.NVFP4Int8Tensor):
+        return q.block_values().astype(BF16), q.global_decode_scale()
     if isinstance(q, fmt.MXFP4Tensor):
         return q.block_values().astype(BF16), jnp.float32(1.0)
     if isinstance(q, fmt.MXFP8Tensor):
@@ -276,7 +278,9 @@ def split_scaled_t(q, order: str = "natural") -> tuple[jax.Array, jax.Array]:
     """split_scaled of an [..., N, K] operand with the values transposed to [..., K, N] (decoded in that layout)."""
     if isinstance(q, fmt.NVFP4Tensor):
         return q.block_values_t(order).astype(BF16), q.global_decode_scale()
-    if isinstance(q, fmt.MXFP4Tensor):
+    if isinstance(q, fmt.NVFP4Int8Tensor):
+        v, f = q.block_values_t().astype(BF16), q.global_decode_scale()
+    elif isinstance(q, fmt.MXFP4Tensor):
         v, f = q.block_values_t().astype(BF16), jnp.float32(1.0)
     elif isinstance(q, fmt.MXFP8Tensor):
         v = jnp.swapaxes(q.data, -1, -2).astype(F32)
@@ -417,6 +421,22 @@ def reference_grouped_dot(x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) ->
 register_backend(
     Backend("xla", lambda: (True, "pure jax.numpy reference"), reference_quantize, reference_matmul,
             quantize_kn=reference_quantize_kn, dot=reference_dot, grouped_dot=reference_grouped_dot)
+)
+
+
+def int8_quantize_kn(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor"):
+    """reference_quantize_kn, an NVFP4 result stored as int8 codes (fmt.NVFP4Int8Tensor); other formats as is."""
+    q = reference_quantize_kn(w_kn, fmt_name, scaling)
+    return fmt.NVFP4Int8Tensor.from_nvfp4(q) if isinstance(q, fmt.NVFP4Tensor) else q
+
+
+# The xla backend with quantized-once NVFP4 weights stored as int8 2*e2m1 codes: the same results bit for bit (the
+# GEMM operand is the same exact bf16 values), a layout XLA:GPU's GEMM fusion can read as an s8 operand. `auto`
+# never picks it: which layout is faster on a GPU is for experiments/bench_gpu.py to measure.
+register_backend(
+    Backend("xla_int8", lambda: (True, "the xla reference; quantized-once NVFP4 weights as int8 2*e2m1 codes"),
+            reference_quantize, reference_matmul, accelerated=lambda: False, quantize_kn=int8_quantize_kn,
+            dot=reference_dot, grouped_dot=reference_grouped_dot)
 )
 
 

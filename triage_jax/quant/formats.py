@@ -291,6 +291,60 @@ class NVFP4Tensor(PackedFP4):
 
 
 @struct.dataclass
+class NVFP4Int8Tensor:
+    """NVFP4 stored one code per byte as the signed integer 2 * e2m1 (-12..12), with NVFP4Tensor's E4M3 `scale`
+    [..., K/16], `amax` and `scaling`: the same numbers in a layout a GPU GEMM fusion reads as an s8 operand
+    (converted and scaled in its prologue) instead of unpacking nibbles, at twice the packed bytes (still half of
+    bf16). codes * (s / 2) = e2m1 * s exactly in bfloat16, so every GEMM path gives NVFP4Tensor's results. An int8
+    has no -0: E2M1's negative zero (code 8) is stored as 0, so a dequantized zero is +0 where NVFP4Tensor's is -0
+    (the same value; no GEMM sum changes).
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+    scaling: str = struct.field(pytree_node=False, default="tensor")
+
+    @classmethod
+    def from_nvfp4(cls, q: "NVFP4Tensor") -> "NVFP4Int8Tensor":
+        """The same tensor with its packed codes as 2 * e2m1 int8 values (exact)."""
+        two_e = (e2m1_decode(q.codes) * jnp.float32(2.0)).astype(jnp.int8)
+        return cls(codes=two_e, scale=q.scale, amax=q.amax, scaling=q.scaling)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    def decoded_scale(self) -> jax.Array:
+        """The E4M3 block scales as float32 [..., K/16] (see NVFP4Tensor.decoded_scale)."""
+        return e4m3_decode_nonneg(jax.lax.bitcast_convert_type(self.scale, jnp.uint8))
+
+    def global_decode_scale(self) -> jax.Array:
+        """amax * f32(1/2688) (1 where amax == 0): the GEMM's output factor, as NVFP4Tensor's."""
+        return nvfp4_decode_factor(self.amax)
+
+    def block_values(self) -> jax.Array:
+        """(2 e2m1) * (s / 2) = e2m1 * s in float32 [..., K] (both factors and the product exact)."""
+        half = (self.decoded_scale() * jnp.float32(0.5))[..., None]
+        return (_blocks(self.codes.astype(F32), NVFP4_BLOCK) * half).reshape(self.shape)
+
+    def block_values_t(self) -> jax.Array:
+        """block_values() transposed, [..., K, N] (the GEMM's K-major weight operand)."""
+        return jnp.swapaxes(self.block_values(), -1, -2)
+
+    @_compiled("dtype")
+    def dequantize(self, dtype=F32) -> jax.Array:
+        """TE's dequantize order (NVFP4Tensor.dequantize): e2m1 * ((float(s) * amax) * f32(1/2688))."""
+        e = _blocks(self.codes.astype(F32) * jnp.float32(0.5), NVFP4_BLOCK)
+        s = self.decoded_scale()
+        amax = self.amax.astype(F32)
+        if self.scaling != "row":
+            amax = _bcast_factor(amax, s.ndim)
+        final = ieee.ftz(ieee.ftz(s * amax) * jnp.float32(NVFP4_DECODE_FACTOR))
+        return ieee.ftz(e * final[..., None]).reshape(self.shape).astype(dtype)
+
+
+@struct.dataclass
 class MXFP8Tensor:
     """MXFP8 tensor: E4M3 `data` (x's shape), E8M0 power-of-two `scale` [..., K/32]."""
 

@@ -44,7 +44,7 @@ class QuantizedWeight:
     For a 3D per-expert weight [E, K, N], each expert is quantized on its own (its own NVFP4 amax / FP8 scale).
     """
 
-    q: fmt.NVFP4Tensor | fmt.MXFP4Tensor | fmt.MXFP8Tensor | fmt.FP8Tensor
+    q: fmt.NVFP4Tensor | fmt.NVFP4Int8Tensor | fmt.MXFP4Tensor | fmt.MXFP8Tensor | fmt.FP8Tensor
     fmt_name: str = struct.field(pytree_node=False)
 
     @property
