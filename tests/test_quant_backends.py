@@ -8,6 +8,7 @@ import pytest
 from triage_jax import quant
 from triage_jax.kernels import pallas_quant as pk
 from triage_jax.quant import PRESETS, backends
+from triage_jax.quant import formats as fmt
 from triage_jax.tools import align
 
 F32 = jnp.float32
@@ -181,11 +182,12 @@ def test_no_module_imports_another_modules_private_names():
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "tile2d"])
-@pytest.mark.parametrize("shape", [(32, 96), (2, 16, 64)])
+@pytest.mark.parametrize("shape", [(32, 96), (2, 16, 64), (272, 32)])
 def test_pallas_nvfp4_bit_exact(scaling, shape):
+    """Several grid tiles down K (block_g=1) and across N (272 rows: 3 tiles of 128 columns, the last padded)."""
     x = _x(shape)
     ref = quant.quantize_nvfp4(x, scaling=scaling)
-    got = pk.quantize_nvfp4(x, scaling=scaling, block_m=16, block_k=32, interpret=True)  # several grid tiles
+    got = pk.quantize_nvfp4(x, scaling=scaling, block_g=1, block_n=128, interpret=True)
     np.testing.assert_array_equal(_bits(got.packed), _bits(ref.packed))
     np.testing.assert_array_equal(_bits(got.scale), _bits(ref.scale))
     np.testing.assert_array_equal(np.asarray(got.amax), np.asarray(ref.amax))
@@ -196,17 +198,33 @@ def test_pallas_nvfp4_amax_reuse_and_nan():
     x = _x((16, 64)).at[3, 7].set(jnp.nan)
     for amax in (None, 1e4):
         ref = quant.quantize_nvfp4(x, amax=amax)
-        got = pk.quantize_nvfp4(x, amax=amax, block_k=32, interpret=True)
+        got = pk.quantize_nvfp4(x, amax=amax, block_g=1, interpret=True)
         np.testing.assert_array_equal(_bits(got.packed), _bits(ref.packed))
         np.testing.assert_array_equal(_bits(got.scale), _bits(ref.scale))
 
 
-@pytest.mark.parametrize("shape", [(16, 128), (2, 8, 64)])
+@pytest.mark.parametrize("shape", [(16, 128), (2, 8, 64), (300, 64)])
 def test_pallas_mxfp8_bit_exact(shape):
     x = _x(shape, seed=1)
-    ref, got = quant.quantize_mxfp8(x), pk.quantize_mxfp8(x, block_m=8, block_k=64, interpret=True)
+    ref, got = quant.quantize_mxfp8(x), pk.quantize_mxfp8(x, block_g=1, block_n=128, interpret=True)
     np.testing.assert_array_equal(_bits(got.data), _bits(ref.data))
     np.testing.assert_array_equal(_bits(got.scale), _bits(ref.scale))
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "tile2d"])
+def test_pallas_kn_weight_quantizers_bit_exact(scaling):
+    """Weights quantized in their own K-major layout (no transpose) equal the reference's K-major quantizers, and
+    the backend's prequantize uses them."""
+    w = _x((96, 272), seed=13).at[5, 7].set(jnp.nan)
+    ref, got = fmt.quantize_nvfp4_kn(w, scaling=scaling), pk.quantize_nvfp4_kn(w, scaling=scaling, block_g=2,
+                                                                                  interpret=True)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    if scaling == "tensor":
+        ref, got = fmt.quantize_mxfp8_kn(w), pk.quantize_mxfp8_kn(w, interpret=True)
+        np.testing.assert_array_equal(_bits(got.data), _bits(ref.data))
+        np.testing.assert_array_equal(_bits(got.scale), _bits(ref.scale))
+    assert backends.get_backend("pallas").quantize_kn is pk.BACKEND.quantize_kn is not None
 
 
 @pytest.mark.parametrize("lhs_fmt,rhs_fmt", [("nvfp4", "nvfp4"), ("mxfp8", "nvfp4"), ("none", "nvfp4"),
@@ -263,35 +281,109 @@ def test_align_tool_flags_a_mismatch(monkeypatch, capsys):
         backends._probe.cache_clear()
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, NotImplementedError),
-                   reason="the Pallas kernels do not lower to Mosaic GPU yet: per-16-element block reductions and "
-                          "[rows, 1] scale tiles (kernels/pallas_quant.py's docstring); strict, so the day they "
-                          "lower this fails and becomes the CPU-side guard of their GPU lowering")
-def test_pallas_lowers_for_cuda():
-    """The CPU-side guard of a GPU lowering: jaxlib's CPU build lowers Pallas for CUDA (Mosaic GPU) in jax.export,
-    so a kernel that cannot compile on a GPU is caught here (the error is Mosaic GPU's, raised on the first one)."""
+def _export_for_cuda(fn, shape):
     from jax import export
 
-    spec = jax.ShapeDtypeStruct((64, 256), jnp.float32)
-    for fn in (lambda a: pk.quantize_nvfp4(a, interpret=False), lambda a: pk.quantize_mxfp8(a, interpret=False),
-               lambda a: pk.dequant_matmul(quant.quantize_nvfp4(a), quant.quantize_nvfp4(a), interpret=False)):
-        export.export(jax.jit(fn), platforms=["cuda"])(spec)
+    export.export(jax.jit(fn), platforms=["cuda"])(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+@pytest.mark.parametrize("op", ["nvfp4", "nvfp4:row", "nvfp4:tile2d", "nvfp4_kn", "nvfp4_kn:tile2d", "mxfp8",
+                                "mxfp8_kn"])
+def test_pallas_quantizers_lower_for_cuda(op):
+    """The CPU-side guard of the kernels' GPU lowering: jaxlib's CPU build lowers Pallas for CUDA (Mosaic GPU) in
+    jax.export, so a change that breaks it (an 8-bit op, a reduction over part of a tile, a TMA tile over 256 or
+    a row under 128) fails here. A non-multiple of 128 columns exercises the padding. It cannot reach the final
+    PTX compile: test_pallas_compiled_on_gpu_bit_exact (-m gpu) is the guard of that."""
+    name, _, scaling = op.partition(":")
+    fn = {"nvfp4": lambda a: pk.quantize_nvfp4(a, scaling=scaling or "tensor", interpret=False),
+          "nvfp4_kn": lambda a: pk.quantize_nvfp4_kn(a, scaling=scaling or "tensor", interpret=False),
+          "mxfp8": lambda a: pk.quantize_mxfp8(a, interpret=False),
+          "mxfp8_kn": lambda a: pk.quantize_mxfp8_kn(a, interpret=False)}[name]
+    _export_for_cuda(fn, (96, 512))
+
+
+def _kernel_hazards(fn, shape) -> list[str]:
+    """Float divisions, and float adds / subtracts fed by a float multiply, in the Pallas kernel bodies of fn (their
+    jaxprs, call boundaries followed): ptxas may contract a mul.f32 feeding an add.f32 into one FMA, and a
+    division would be the GPU's approximate one (docs/numerics.md, "GPU")."""
+    bad = []
+
+    def walk(jaxpr, producer):
+        for eqn in jaxpr.eqns:
+            is_float = any(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.outvars if hasattr(v.aval, "dtype"))
+            name = eqn.primitive.name
+            if is_float and name == "div":
+                bad.append(f"div {eqn}")
+            if is_float and name in ("add", "sub") and any(producer.get(v) == "mul" for v in eqn.invars
+                                                           if not isinstance(v, jax.extend.core.Literal)):
+                bad.append(f"{name} of a mul: {eqn}")
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                inner = {iv: producer.get(ov) for iv, ov in zip(sub.invars, eqn.invars)
+                         if not isinstance(ov, jax.extend.core.Literal)}
+                walk(sub, inner)
+            for v in eqn.outvars:
+                producer[v] = name if is_float else None
+
+    for eqn in jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(shape, jnp.float32)).eqns:
+        if eqn.primitive.name == "pallas_call":
+            walk(eqn.params["jaxpr"], {})
+    return bad
+
+
+@pytest.mark.parametrize("op", ["nvfp4:row", "nvfp4_kn:tile2d", "mxfp8"])
+def test_pallas_kernel_bodies_have_no_division_and_no_contractible_multiply_add(op):
+    name, _, scaling = op.partition(":")
+    fn = {"nvfp4": lambda a: pk.quantize_nvfp4(a, scaling=scaling, interpret=False),
+          "nvfp4_kn": lambda a: pk.quantize_nvfp4_kn(a, scaling=scaling, interpret=False),
+          "mxfp8": lambda a: pk.quantize_mxfp8(a, interpret=False)}[name]
+    assert not _kernel_hazards(fn, (64, 256))
+
+
+def test_the_kernel_hazard_check_sees_them():
+    from jax.experimental import pallas as pl
+
+    def fn(a):
+        def body(x_ref, o_ref):
+            x = x_ref[...]
+            o_ref[...] = x * x + x / 3.0
+        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype), interpret=True)(a)
+    assert len(_kernel_hazards(fn, (8, 128))) == 2
+
+
+@pytest.mark.xfail(strict=True, raises=NotImplementedError,
+                   reason="the fused dequantize-matmul decodes 8-bit operands in registers and multiplies with "
+                          "jnp.dot; Mosaic GPU has no 8-bit arithmetic and multiplies with wgmma on shared memory "
+                          "(kernels/pallas_quant.py's docstring); strict, so the day it lowers this fails")
+def test_pallas_dequant_matmul_lowers_for_cuda():
+    _export_for_cuda(lambda a: pk.dequant_matmul(quant.quantize_nvfp4(a), quant.quantize_nvfp4(a), interpret=False),
+                     (64, 256))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas needs a GPU")
 def test_pallas_compiled_on_gpu_bit_exact():
-    x = _x((256, 1024), seed=8)
+    """The Mosaic GPU kernels compiled, against the xla backend's bits on the same GPU (themselves checked against
+    the CPU's in tests/test_gpu.py), and the backend's forward (these quantizers, xla's GEMM) close to xla's."""
+    x = _x((300, 1024), seed=8).at[3, 7].set(jnp.nan)
     for scaling in ("tensor", "row", "tile2d"):
-        ref, got = quant.quantize_nvfp4(x, scaling=scaling), pk.quantize_nvfp4(x, scaling=scaling, interpret=False)
-        np.testing.assert_array_equal(_bits(got.packed), _bits(ref.packed))
-        np.testing.assert_array_equal(_bits(got.scale), _bits(ref.scale))
+        xs = x[:288] if scaling == "tile2d" else x
+        ref, got = quant.quantize_nvfp4(xs, scaling=scaling), pk.quantize_nvfp4(xs, scaling=scaling, interpret=False)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
     ref, got = quant.quantize_mxfp8(x), pk.quantize_mxfp8(x, interpret=False)
     np.testing.assert_array_equal(_bits(got.data), _bits(ref.data))
-    w = _x((512, 1024), seed=9)
-    y = pk.dequant_matmul(quant.quantize_nvfp4(x), quant.quantize_nvfp4(w), interpret=False)
-    r = backends.reference_matmul(quant.quantize_nvfp4(x), quant.quantize_nvfp4(w))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()))
+    np.testing.assert_array_equal(_bits(got.scale), _bits(ref.scale))
+    w = _x((1024, 2560), seed=9)
+    for scaling in ("tensor", "tile2d"):
+        ref, got = fmt.quantize_nvfp4_kn(w, scaling=scaling), pk.quantize_nvfp4_kn(w, scaling=scaling, interpret=False)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+    ref, got = fmt.quantize_mxfp8_kn(w), pk.quantize_mxfp8_kn(w, interpret=False)
+    np.testing.assert_array_equal(_bits(got.data), _bits(ref.data))
+    for preset in ("w4a4", "w4a16"):
+        y_p = quant.qdot(x[8:72], w, PRESETS[preset], backend="pallas")  # the same exact operands; only the
+        y_x = quant.qdot(x[8:72], w, PRESETS[preset], backend="xla")  # GEMMs' float32 summation orders may differ
+        np.testing.assert_allclose(np.asarray(y_p), np.asarray(y_x), rtol=1e-5, atol=1e-5 * float(jnp.abs(y_x).max()))
 
 
 @pytest.mark.parametrize("preset", ["w4a16", "w4a8", "w4a4", "fp8"])

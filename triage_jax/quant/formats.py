@@ -99,8 +99,9 @@ def _e2m1_binade(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _codes(y: jax.Array, multiple: jax.Array, offset: jax.Array) -> jax.Array:
-    sign = jnp.signbit(y).astype(jnp.uint8) << 3
-    return (multiple + offset).astype(jnp.uint8) | sign
+    # In 32-bit integers, the sign from the bits: Mosaic GPU has no 8-bit arithmetic and no cast to a bool vector.
+    sign = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31) << 3
+    return ((multiple + offset).astype(jnp.uint32) | sign).astype(jnp.uint8)
 
 
 def e2m1_rne_codes(y: jax.Array) -> jax.Array:
@@ -764,11 +765,15 @@ def _pow2_neg_biased(e: jax.Array) -> jax.Array:
 def mxfp8_encode_blocks(xb: jax.Array, rounding: str = "rceil", ftz=None) -> tuple[jax.Array, jax.Array]:
     """The per-block MXFP8 core shared by every backend: blocks [..., nb, 32] -> (E4M3 data, biased exponent u8).
     `ftz` (default ieee.ftz) flushes the scaled amax; a kernel body passes ieee.flush_subnormals (no platform branch)."""
+    e, factor = mxfp8_block_exponent(jnp.max(_nan_to_zero_abs(xb), axis=-1), rounding, ftz)
+    return e4m3_cast(xb * factor[..., None]), e.astype(jnp.uint8)
+
+
+def mxfp8_block_exponent(amax: jax.Array, rounding: str = "rceil", ftz=None) -> tuple[jax.Array, jax.Array]:
+    """(biased E8M0 exponent e as uint32, the element multiplier 2^(127 - e)) of blocks with amax `amax`."""
     ftz = ieee.ftz if ftz is None else ftz
-    amax = jnp.max(_nan_to_zero_abs(xb), axis=-1)
     e = _e8m0_rceil(ftz(amax * jnp.float32(1.0 / E4M3_MAX))) if rounding == "rceil" else _e8m0_floor(amax)
-    q = e4m3_cast(xb * _pow2_neg_biased(e)[..., None])
-    return q, e.astype(jnp.uint8)
+    return e, _pow2_neg_biased(e)
 
 
 @_compiled("rounding", "name", "debug")
