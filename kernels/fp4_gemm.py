@@ -1,0 +1,214 @@
+"""A 4-bit weight GEMM for Hopper in Mosaic GPU: y[M, N] = x[M, K] . W^T with W NVFP4 or MXFP4, bf16 activations.
+
+Hopper has no FP4 tensor cores, so the gain is bandwidth: the weights cross HBM as 4-bit codes and 8-bit scales
+and are decoded next to the tensor cores. Its reference is the xla backend's quantized dot (quant/backends.py:
+the exact block values e2m1 * s, float32 accumulation, the tensor factor after the sum); results differ from it
+only by the float32 summation order (`accumulation_bound`).
+
+Weight layout (`FP4GemmWeight`, made once by `prepare_weight`, at the sampler's sync, never per step):
+  codes  [K/32, N, 16] uint8: row n of chunk c holds the codes of W[n, 32c + j] (low nibble) and W[n, 32c + 16 + j]
+         (high nibble), j < 16: each nibble plane is one whole 16-element block, so the kernel never interleaves
+         nibbles (Mosaic GPU cannot reshape a register tile) and one scale per row covers a decoded [64, 16] tile.
+  scales [K/16, N] uint8 (NVFP4: E4M3 codes) or [K/32, N] (MXFP4: E8M0 exponents), K-major so that a block's
+         scales for 64 rows are one contiguous vector.
+  factor float32: NVFP4's tensor decode scale (amax / 2688), 1 for MXFP4; applied to the output.
+
+Kernel: swap-AB, the weights in wgmma's M slot (y^T[N, M] = W . x^T), since decode has M = 1..64 rows and wgmma's
+M is 64: one warpgroup per 64 weight rows, a TMA pipeline over K streaming codes, scales and x^T tiles into shared
+memory, and per 16-element block: decode in registers with integer bit tricks (E2M1 code -> float32 bits, E4M3 /
+E8M0 code -> float32 bits; no lookup table and no float4 convert, which Mosaic GPU refuses below sm_100), one
+multiply by the block scale (the product e2m1 * s is exact in bfloat16), a store to shared memory and a wgmma
+(bf16 x bf16 -> float32) against x^T. The decoded tile goes through shared memory rather than straight from
+registers as wgmma's A operand: Mosaic GPU's CPU interpreter (the tests' only way to run this kernel without a
+GPU) takes wgmma operands from shared memory only, and one code path is what is tested. Split-K over a second
+grid axis fills the SMs at decode shapes (N / 64 CTAs alone are 40 at N = 2560); the partial sums are added in XLA
+in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma's N).
+
+W4A4 on Hopper (`fp4_dot` with activations "nvfp4"): the activations are quantized token-wise by the reference
+quantizer (an XLA pass, not fused), their exact values go in as bf16 and their per-row factors scale the output.
+Per-expert (grouped) weights: not here; the grouped form would index the weight by each row tile's expert (a
+scalar-prefetched group table), which Mosaic GPU's pipeline can take as a GMEM slice per tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from triage_jax.quant import formats as fmt
+from triage_jax.quant import ieee
+
+F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+TILE_N = 64  # weight rows per warpgroup: wgmma's M
+CHUNK = 32  # K per codes row: two 16-element nibble planes
+TARGET_CTAS = 128  # split-K aims at this many CTAs (a fixed number, so results never depend on the device)
+
+
+@struct.dataclass
+class FP4GemmWeight:
+    """A 4-bit weight W[N, K] in the kernel's layout (module docstring); `fmt_name` "nvfp4" or "mxfp4"."""
+
+    codes: jax.Array
+    scales: jax.Array
+    factor: jax.Array
+    fmt_name: str = struct.field(pytree_node=False, default="nvfp4")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight."""
+        return self.codes.shape[1], self.codes.shape[0] * CHUNK
+
+
+def prepare_weight(q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> FP4GemmWeight:
+    """The kernel's layout of a quantized weight q [N, K] (NVFP4 with tensor scaling, or MXFP4)."""
+    if q.packed.ndim != 2:
+        raise ValueError(f"prepare_weight: expected one weight [N, K], got packed shape {q.packed.shape}")
+    n, k = q.shape
+    if k % CHUNK or n % TILE_N:
+        raise ValueError(f"prepare_weight: the kernel needs K % {CHUNK} == 0 and N % {TILE_N} == 0; got N={n}, K={k}")
+    planes = q.codes.astype(jnp.uint32).reshape(n, k // CHUNK, 2, 16)
+    codes = (planes[:, :, 0] | (planes[:, :, 1] << 4)).astype(jnp.uint8).transpose(1, 0, 2)
+    scales = jax.lax.bitcast_convert_type(q.scale, jnp.uint8).T
+    if isinstance(q, fmt.NVFP4Tensor):
+        if q.scaling != "tensor":
+            raise ValueError(f"prepare_weight: NVFP4 weights use tensor scaling here, got {q.scaling!r}")
+        return FP4GemmWeight(codes, scales, q.global_decode_scale(), "nvfp4")
+    if isinstance(q, fmt.MXFP4Tensor):
+        return FP4GemmWeight(codes, scales, jnp.float32(1.0), "mxfp4")
+    raise TypeError(f"prepare_weight: expected an NVFP4Tensor or MXFP4Tensor, got {type(q).__name__}")
+
+
+def _e2m1_value(c):
+    """float32 values of E2M1 codes (int32 0..15) from their bits: 0 and 0.5 apart, else 2^(e-1) * (1 + m/2)."""
+    e, m, s = (c >> 1) & 3, c & 1, (c >> 3) & 1
+    bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22)) | (s << 31)
+    return lax.bitcast_convert_type(bits, F32)
+
+
+def _e4m3_value(c):
+    """float32 values of non-negative E4M3 codes (int32): fmt.e4m3_decode_nonneg's integer decode."""
+    e, m = (c >> 3) & 0xF, c & 7
+    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), F32)
+    return jnp.where(e == 0, m.astype(F32) * jnp.float32(2.0**-9), normal)
+
+
+def _e8m0_value(c):
+    """2^(c - 127) for E8M0 exponents (int32), flushed at c = 0 and NaN at 255, as MXFP4Tensor.block_values."""
+    v = lax.bitcast_convert_type(c << 23, F32)
+    return jnp.where(c == 255, jnp.float32(jnp.nan), v)
+
+
+def _interpret_params():
+    # Mosaic GPU's CPU interpreter (shared memory, TMA copies, wgmma from shared memory); jax 0.10 has no public
+    # name for its parameters.
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def default_interpret() -> bool:
+    """Mosaic GPU's interpreter everywhere but on a GPU."""
+    return jax.default_backend() != "gpu"
+
+
+def _split_k(k_steps: int, ctas: int) -> int:
+    want = max(1, -(-TARGET_CTAS // ctas))
+    return max(s for s in range(1, min(want, k_steps) + 1) if k_steps % s == 0)
+
+
+def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
+               steps_in_flight: int = 3, interpret: bool | None = None) -> jax.Array:
+    """y[M, N] float32 = x[M, K] (cast to bf16) . W^T * w.factor, W decoded inside the kernel."""
+    n, k = w.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"fp4_matmul: expected x[M, {k}] for a weight [N={n}, K={k}], got x {x.shape}")
+    interpret = default_interpret() if interpret is None else interpret
+    m = x.shape[0]
+    tile_m = min(256, -(-m // 16) * 16)
+    mp = -(-m // tile_m) * tile_m
+    # Chunks of 32 per pipeline step: at most chunks_per_step, and x^T's tile (64 g tile_m bytes) <= 48 KiB, so
+    # that steps_in_flight of them and the [64, tile_m] float32 output tile fit in 227 KiB of shared memory.
+    g = max(d for d in range(1, min(chunks_per_step, max(1, 768 // tile_m)) + 1) if (k // CHUNK) % d == 0)
+    k_steps = k // (CHUNK * g)
+    s = split_k or _split_k(k_steps, (n // TILE_N) * (mp // tile_m))
+    if k_steps % s:
+        raise ValueError(f"fp4_matmul: split_k={s} does not divide the {k_steps} K steps")
+    steps = k_steps // s
+    xt = jnp.pad(x.astype(BF16), ((0, mp - m), (0, 0))).T.reshape(k // 16, 16, mp)
+    mx = w.fmt_name == "mxfp4"
+    n_scale_rows = g if mx else 2 * g  # scale rows per step: one per 32 (MXFP4) or per 16 (NVFP4)
+    # x^T tiles [16, tile_m] bf16 as wgmma's B: 32-byte swizzle, so K = 16 per wgmma (a 128-byte swizzle needs 64).
+    x_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+
+    def load(ref, layout):
+        # The interpreter has no register layouts; compiled, the tiles load in wgmma's accumulator layout, and the
+        # scale vectors in its row-reduced form, so that they broadcast along a tile's rows.
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+    def kernel(c_gmem, s_gmem, x_gmem, o_gmem, o_smem, a_smem):
+        n0 = lax.axis_index("n") * TILE_N
+        m0 = lax.axis_index("m") * tile_m
+        ks = lax.axis_index("k")
+
+        def compute(acc_ref):
+            def step(_, c_smem, s_smem, x_smem):
+                for c in range(g):
+                    codes = load(c_smem.at[c], plgpu.Layout.WGMMA).astype(I32)
+                    for h, plane in enumerate((codes & 0xF, codes >> 4)):
+                        row = load(s_smem.at[c if mx else 2 * c + h], plgpu.Layout.WGMMA.reduce(1)).astype(I32)
+                        scale = _e8m0_value(row) if mx else _e4m3_value(row)
+                        v = _e2m1_value(plane) * lax.broadcast_in_dim(scale, (TILE_N, 16), (0,))
+                        a_smem[2 * c + h] = (ieee.flush_subnormals(v) if mx else v).astype(BF16)
+                plgpu.commit_smem()  # the decoded tiles, visible to the tensor cores' async reads
+                for j in range(2 * g):
+                    plgpu.wgmma(acc_ref, a_smem.at[j], x_smem.at[j])
+                plgpu.wgmma_wait(0)  # before the next step overwrites a_smem
+
+            plgpu.emit_pipeline(
+                step, grid=(steps,), max_concurrent_steps=steps_in_flight,
+                in_specs=[plgpu.BlockSpec((g, TILE_N, 16), lambda i: (i, 0, 0)),
+                          plgpu.BlockSpec((n_scale_rows, TILE_N), lambda i: (i, 0)),
+                          plgpu.BlockSpec((2 * g, 16, tile_m), lambda i: (i, 0, 0), transforms=x_transforms)],
+            )(c_gmem.at[pl.ds(ks * steps * g, steps * g), pl.ds(n0, TILE_N)],
+              s_gmem.at[pl.ds(ks * steps * n_scale_rows, steps * n_scale_rows), pl.ds(n0, TILE_N)],
+              x_gmem.at[pl.ds(ks * steps * 2 * g, steps * 2 * g), :, pl.ds(m0, tile_m)])
+            return acc_ref[...]
+
+        o_smem[...] = pl.run_scoped(compute, plgpu.ACC((TILE_N, tile_m), F32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ks, pl.ds(n0, TILE_N), pl.ds(m0, tile_m)])
+        plgpu.wait_smem_to_gmem(0)
+
+    parts = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((s, n, mp), F32),
+        grid=(n // TILE_N, mp // tile_m, s), grid_names=("n", "m", "k"),
+        scratch_types=[plgpu.SMEM((TILE_N, tile_m), F32),
+                       plgpu.SMEM((2 * g, TILE_N, 16), BF16, transforms=a_transforms)],
+        interpret=_interpret_params() if interpret else None,
+    )(w.codes, w.scales, xt)
+    y_t = functools.reduce(jnp.add, [parts[i] for i in range(s)])  # a fixed order over the K splits
+    return y_t[:, :m].T * w.factor
+
+
+def reference(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> jax.Array:
+    """The xla backend's w4a16 product: x (as bf16) . block_values^T in float32, then the tensor factor."""
+    y = jnp.dot(x.astype(BF16).astype(F32), w_q.block_values().T, precision=lax.Precision.HIGHEST)
+    return y * (w_q.global_decode_scale() if isinstance(w_q, fmt.NVFP4Tensor) else jnp.float32(1.0))
+
+
+def accumulation_bound(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> jax.Array:
+    """|fp4_matmul - reference| <= this, elementwise: two float32 sums of K exact products in different orders
+    each err by at most (K - 1) u sum|x_k w_k| (u = 2^-24; the products are exact in float32), and the factor
+    multiply adds an ulp."""
+    k = x.shape[-1]
+    absdot = jnp.dot(jnp.abs(x.astype(BF16).astype(F32)), jnp.abs(w_q.block_values()).T,
+                     precision=lax.Precision.HIGHEST)
+    f = w_q.global_decode_scale() if isinstance(w_q, fmt.NVFP4Tensor) else jnp.float32(1.0)
+    return (2 * (k - 1) + 4) * jnp.float32(2.0**-24) * absdot * f
