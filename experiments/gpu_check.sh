@@ -41,11 +41,12 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/triage_jax_ca
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader || true
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 
-step "gpu tests" 120 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider tests/test_gpu.py tests/test_quant_backends.py
-step "align" 45 python3 -m triage_jax.tools.align
+step "gpu tests" 110 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider tests/test_gpu.py tests/test_quant_backends.py \
+  tests/test_fp4_gemm.py
+step "align" 40 python3 -m triage_jax.tools.align
 run_dir="$out/tiny_run"
 rm -rf "$run_dir"
-step "main job (tiny, 3 steps)" 120 python3 -m triage_jax.main --config=configs/tiny.py --config.train.steps=3 \
+step "main job (tiny, 3 steps)" 100 python3 -m triage_jax.main --config=configs/tiny.py --config.train.steps=3 \
   --config.train.ckpt_every=3 --config.run_dir="$run_dir" --config.warmup.cache_dir="$out/warmup_cache"
 step "main job: metrics, checkpoint" 15 python3 - "$run_dir" <<'EOF'
 import json, math, os, sys
@@ -59,10 +60,12 @@ print("steps:", summary["steps"], "| checkpoints:", ckpts, "| missing or non-fin
       "| mean s/step:", summary["mean_time_s"].get("time/step"))
 sys.exit(1 if bad or "3" not in ckpts or summary["steps"] != 3 else 0)
 EOF
-step "bench_gpu: GEMMs, 0.6B" 150 python3 experiments/bench_gpu.py --parts gemm,engine,agree \
+step "bench_gpu: decode GEMMs" 110 python3 experiments/bench_gpu.py --parts gemm --json "$out/bench_gpu_gemm.json"
+step "bench_gpu: 0.6B engine" 120 python3 experiments/bench_gpu.py --parts engine,agree \
   --models qwen3_0_6b --batches 64,256 --json "$out/bench_gpu_a.json"
-step "bench_gpu: 4B, first call" 110 python3 experiments/bench_gpu.py --parts engine,first_call \
-  --models qwen3_4b --batches 64 --no_hf --json "$out/bench_gpu_b.json"
+step "bench_gpu: 4B, first call" 100 python3 experiments/bench_gpu.py --parts engine,first_call \
+  --models qwen3_4b --batches 64 --no_hf --samplers bf16,w4a16,w4a16_fp4gemm,w4a4_fp4gemm \
+  --json "$out/bench_gpu_b.json"
 
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"

@@ -1,5 +1,6 @@
 """Kernels, installed as `triage_jax.kernels`: `pallas_quant` (Pallas NVFP4 / MXFP8 quantize kernels and a fused
-dequantize-matmul), which registers the `pallas` quantization backend when imported.
+dequantize-matmul; the `pallas` backend) and `fp4_gemm` (the Mosaic GPU 4-bit weight GEMM; the `fp4_gemm`
+backend), each registering its quantization backend when imported.
 
 This folder is never the top-level package `kernels`. Where the repository root is on sys.path (`python -m ...`
 from the root, the experiments and notebooks), a plain `import kernels` finds this folder before site-packages;

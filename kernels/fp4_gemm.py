@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from triage_jax.quant import backends as be
 from triage_jax.quant import formats as fmt
 from triage_jax.quant import ieee
 
@@ -52,36 +53,64 @@ TARGET_CTAS = 128  # split-K aims at this many CTAs (a fixed number, so results 
 
 @struct.dataclass
 class FP4GemmWeight:
-    """A 4-bit weight W[N, K] in the kernel's layout (module docstring); `fmt_name` "nvfp4" or "mxfp4"."""
+    """A 4-bit weight W[N, K] in the kernel's layout (module docstring): `fmt_name` "nvfp4" (with its tensor `amax`)
+    or "mxfp4" (amax unused, `rounding` its exponent rule)."""
 
     codes: jax.Array
     scales: jax.Array
-    factor: jax.Array
+    amax: jax.Array
+    n: int = struct.field(pytree_node=False, default=0)  # the weight's own N and K (the layout pads them)
+    k: int = struct.field(pytree_node=False, default=0)
     fmt_name: str = struct.field(pytree_node=False, default="nvfp4")
+    rounding: str = struct.field(pytree_node=False, default="floor")
 
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K) of the weight."""
-        return self.codes.shape[1], self.codes.shape[0] * CHUNK
+        return self.n, self.k
+
+    @property
+    def factor(self) -> jax.Array:
+        """The output factor: NVFP4's tensor decode scale (NVFP4Tensor.global_decode_scale), 1 for MXFP4."""
+        return fmt.nvfp4_decode_factor(self.amax) if self.fmt_name == "nvfp4" else jnp.float32(1.0)
+
+    def to_tensor(self) -> fmt.NVFP4Tensor | fmt.MXFP4Tensor:
+        """The quantized tensor [N, K] this layout was made from (the exact inverse of prepare_weight)."""
+        (k_chunks, n_pad, _), (n, k) = self.codes.shape, self.shape
+        c = self.codes.astype(jnp.uint32)
+        codes = jnp.stack([c & 0xF, c >> 4], axis=2).transpose(1, 0, 2, 3).reshape(n_pad, k_chunks * 16, 2)
+        packed = (codes[:n, :k // 2, 0] | (codes[:n, :k // 2, 1] << 4)).astype(jnp.uint8)
+        block = fmt.MXFP4_BLOCK if self.fmt_name == "mxfp4" else fmt.NVFP4_BLOCK
+        scales = self.scales.T[:n, :k // block]
+        if self.fmt_name == "mxfp4":
+            return fmt.MXFP4Tensor(packed, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu), self.rounding)
+        return fmt.NVFP4Tensor(packed, lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), self.amax)
+
+    def dequantize(self, dtype=F32) -> jax.Array:
+        """The weight's values [N, K], as the quantized tensor's dequantize (the straight-through backward's)."""
+        return self.to_tensor().dequantize(dtype)
 
 
 def prepare_weight(q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> FP4GemmWeight:
-    """The kernel's layout of a quantized weight q [N, K] (NVFP4 with tensor scaling, or MXFP4)."""
+    """The kernel's layout of a quantized weight q [N, K] (NVFP4 with tensor scaling, or MXFP4). N is padded to a
+    multiple of 64 and K to one of 32 with zero codes and zero scales (zero rows and blocks: the padded outputs are
+    dropped, the padded K contributes +0)."""
     if q.packed.ndim != 2:
         raise ValueError(f"prepare_weight: expected one weight [N, K], got packed shape {q.packed.shape}")
+    if not isinstance(q, (fmt.NVFP4Tensor, fmt.MXFP4Tensor)):
+        raise TypeError(f"prepare_weight: expected an NVFP4Tensor or MXFP4Tensor, got {type(q).__name__}")
+    if isinstance(q, fmt.NVFP4Tensor) and q.scaling != "tensor":
+        raise ValueError(f"prepare_weight: NVFP4 weights use tensor scaling here, got {q.scaling!r}")
     n, k = q.shape
-    if k % CHUNK or n % TILE_N:
-        raise ValueError(f"prepare_weight: the kernel needs K % {CHUNK} == 0 and N % {TILE_N} == 0; got N={n}, K={k}")
-    planes = q.codes.astype(jnp.uint32).reshape(n, k // CHUNK, 2, 16)
-    codes = (planes[:, :, 0] | (planes[:, :, 1] << 4)).astype(jnp.uint8).transpose(1, 0, 2)
-    scales = jax.lax.bitcast_convert_type(q.scale, jnp.uint8).T
+    n_pad, k_pad = -(-n // TILE_N) * TILE_N, -(-k // CHUNK) * CHUNK
+    codes = jnp.pad(q.codes.astype(jnp.uint32), ((0, n_pad - n), (0, k_pad - k))).reshape(n_pad, k_pad // CHUNK, 2, 16)
+    codes = (codes[:, :, 0] | (codes[:, :, 1] << 4)).astype(jnp.uint8).transpose(1, 0, 2)
+    scales = jax.lax.bitcast_convert_type(q.scale, jnp.uint8)
+    block = k // scales.shape[-1]
+    scales = jnp.pad(scales, ((0, n_pad - n), (0, k_pad // block - scales.shape[-1]))).T
     if isinstance(q, fmt.NVFP4Tensor):
-        if q.scaling != "tensor":
-            raise ValueError(f"prepare_weight: NVFP4 weights use tensor scaling here, got {q.scaling!r}")
-        return FP4GemmWeight(codes, scales, q.global_decode_scale(), "nvfp4")
-    if isinstance(q, fmt.MXFP4Tensor):
-        return FP4GemmWeight(codes, scales, jnp.float32(1.0), "mxfp4")
-    raise TypeError(f"prepare_weight: expected an NVFP4Tensor or MXFP4Tensor, got {type(q).__name__}")
+        return FP4GemmWeight(codes, scales, q.amax, n, k, "nvfp4")
+    return FP4GemmWeight(codes, scales, jnp.float32(0.0), n, k, "mxfp4", q.rounding)
 
 
 def _e2m1_value(c):
@@ -125,9 +154,11 @@ def _split_k(k_steps: int, ctas: int) -> int:
 def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
                steps_in_flight: int = 3, interpret: bool | None = None) -> jax.Array:
     """y[M, N] float32 = x[M, K] (cast to bf16) . W^T * w.factor, W decoded inside the kernel."""
-    n, k = w.shape
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"fp4_matmul: expected x[M, {k}] for a weight [N={n}, K={k}], got x {x.shape}")
+    n_true, k_true = w.shape
+    if x.ndim != 2 or x.shape[1] != k_true:
+        raise ValueError(f"fp4_matmul: expected x[M, {k_true}] for a weight [N={n_true}, K={k_true}], got x {x.shape}")
+    k, n = w.codes.shape[0] * CHUNK, w.codes.shape[1]  # the padded layout's
+    x = jnp.pad(x, ((0, 0), (0, k - k_true)))
     interpret = default_interpret() if interpret is None else interpret
     m = x.shape[0]
     tile_m = min(256, -(-m // 16) * 16)
@@ -194,7 +225,7 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
         interpret=_interpret_params() if interpret else None,
     )(w.codes, w.scales, xt)
     y_t = functools.reduce(jnp.add, [parts[i] for i in range(s)])  # a fixed order over the K splits
-    return y_t[:, :m].T * w.factor
+    return y_t[:n_true, :m].T * w.factor
 
 
 def reference(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> jax.Array:
@@ -212,3 +243,57 @@ def accumulation_bound(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> 
                      precision=lax.Precision.HIGHEST)
     f = w_q.global_decode_scale() if isinstance(w_q, fmt.NVFP4Tensor) else jnp.float32(1.0)
     return (2 * (k - 1) + 4) * jnp.float32(2.0**-24) * absdot * f
+
+
+# --- the backend -------------------------------------------------------------------------------------------------
+# `fp4_gemm`: this kernel for the dense dot of 4-bit weights (NVFP4 with tensor scaling, MXFP4) with bf16 or NVFP4
+# activations; the xla backend's dot for everything else (float32 activations, other formats) and its quantizers;
+# no grouped (per-expert) dot.
+
+
+def _is_fp4(fmt_name: str, scaling: str) -> bool:
+    return (fmt_name == "nvfp4" and scaling == "tensor") or fmt_name in fmt.MXFP4_FORMATS
+
+
+def _quantize_kn(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor"):
+    """w^T quantized by the reference; a 4-bit result in the kernel's layout (one matrix [K, N])."""
+    q = be.reference_quantize_kn(w_kn, fmt_name, scaling)
+    return prepare_weight(q) if _is_fp4(fmt_name, scaling) else q
+
+
+def _dot(x_mk: jax.Array, w, prec) -> jax.Array:
+    if not isinstance(w, FP4GemmWeight):
+        if be.is_quantized(w) or not _is_fp4(prec.weight, prec.weight_scaling):
+            return be.reference_dot(x_mk, w, prec)  # not a 4-bit weight: xla's
+        w = _quantize_kn(w, prec.weight, prec.weight_scaling)  # a raw weight, quantized for this call
+    if prec.act == "none" and x_mk.dtype == BF16:
+        return fp4_matmul(x_mk, w)
+    if prec.act == "nvfp4":  # W4A4 on Hopper: token-wise (or tensor) NVFP4 values, exact in bf16, into the kernel
+        xq = fmt.quantize_nvfp4(x_mk, scaling=prec.act_scaling)
+        return fp4_matmul(xq.block_values(), w) * xq.global_decode_scale()
+    # float32 activations (the kernel's bf16 operand would round them) and other activation formats: xla's dot
+    return be.reference_dot(x_mk, w.to_tensor(), prec)
+
+
+def _probe() -> tuple[bool, str]:
+    where = "Mosaic GPU's CPU interpreter (slow; for checks)" if default_interpret() else "compiled (Mosaic GPU)"
+    if not default_interpret():
+        kind = getattr(jax.devices()[0], "compute_capability", "")
+        if not str(kind).startswith("9"):
+            return False, f"the kernel uses Hopper's wgmma (sm_90); this GPU is compute capability {kind or '?'}"
+    return True, f"4-bit weight GEMM, {where}; other formats and the quantizers are xla's"
+
+
+BACKEND = be.Backend(
+    "fp4_gemm", _probe, be.reference_quantize, be.reference_matmul, accelerated=lambda: False,
+    quantize_kn=_quantize_kn, dot=_dot,
+    unsupported={"grouped_dot": "no grouped (per-expert) form of the 4-bit GEMM yet (kernels/fp4_gemm.py)"},
+)  # never picked by `auto` until a GPU measurement shows it faster (experiments/bench_gpu.py)
+
+
+def register() -> None:
+    """Register (or re-register) the `fp4_gemm` backend."""
+    be.register_backend(BACKEND)
+
+
+register()

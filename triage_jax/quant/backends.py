@@ -7,6 +7,9 @@ Every backend is a registry entry, and `qdot` / `qragged_dot` dispatch through i
 - `pallas`: kernels/pallas_quant.py (quantize kernels + a fused dequantize-matmul); interpret mode on CPU,
   compiled on GPU. The kernel module registers itself on import; the registry imports the modules named in
   `KERNEL_BACKENDS` on its first query, and a module that does not import is registered as unavailable with why.
+- `fp4_gemm`: kernels/fp4_gemm.py, a Mosaic GPU 4-bit weight GEMM for Hopper (NVFP4 / MXFP4 weights prequantized
+  into its layout, bf16 or NVFP4 activations); xla's quantizers, and xla's dot for float32 activations and every
+  other format; no grouped dot. Mosaic GPU's CPU interpreter off a GPU.
 - `cudnn`: the reference quantizers + `jax.nn.scaled_matmul` (the cuDNN block-scaled GEMM behind
   `jax.nn.scaled_dot_general`), on compute capability >= 10.0 only. The project's quantizers feed it because
   `scaled_dot_general`'s own quantizer divides and makes zero blocks NaN (numerics.md); only the GEMM differs.
@@ -36,7 +39,7 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 AUTO_ORDER = ("te", "cudnn", "pallas", "xla")
 # Backends whose implementation lives in a kernel module that registers it on import (imported on first use).
-KERNEL_BACKENDS = {"pallas": "triage_jax.kernels.pallas_quant"}
+KERNEL_BACKENDS = {"pallas": "triage_jax.kernels.pallas_quant", "fp4_gemm": "triage_jax.kernels.fp4_gemm"}
 OPS = ("quantize", "matmul", "dot", "grouped_dot")
 QUANTIZED_TYPES = (fmt.NVFP4Tensor, fmt.NVFP4Int8Tensor, fmt.MXFP4Tensor, fmt.MXFP8Tensor, fmt.FP8Tensor)
 
