@@ -24,8 +24,9 @@ GPU) takes wgmma operands from shared memory only, and one code path is what is 
 grid axis fills the SMs at decode shapes (N / 64 CTAs alone are 40 at N = 2560); the partial sums are added in XLA
 in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma's N).
 
-W4A4 on Hopper (`fp4_dot` with activations "nvfp4"): the activations are quantized token-wise by the reference
-quantizer (an XLA pass, not fused), their exact values go in as bf16 and their per-row factors scale the output.
+W4A4 / W4A8 on Hopper (the `fp4_gemm` backend's dot with quantized activations): the activations are quantized
+by the reference quantizer (token-wise NVFP4, MXFP8, FP8; an XLA pass, not fused into the kernel), their exact
+values go in as bf16 (every NVFP4 / MXFP8 / FP8 value is a bf16) and their factors scale the output.
 Per-expert (grouped) weights: not here; the grouped form would index the weight by each row tile's expert (a
 scalar-prefetched group table), which Mosaic GPU's pipeline can take as a GMEM slice per tile.
 """
@@ -152,8 +153,9 @@ def _split_k(k_steps: int, ctas: int) -> int:
 
 
 def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
-               steps_in_flight: int = 3, interpret: bool | None = None) -> jax.Array:
-    """y[M, N] float32 = x[M, K] (cast to bf16) . W^T * w.factor, W decoded inside the kernel."""
+               steps_in_flight: int = 3, interpret: bool | None = None, apply_factor: bool = True) -> jax.Array:
+    """y[M, N] float32 = x[M, K] (cast to bf16) . W^T * w.factor (apply_factor=False: without it), W decoded inside
+    the kernel."""
     n_true, k_true = w.shape
     if x.ndim != 2 or x.shape[1] != k_true:
         raise ValueError(f"fp4_matmul: expected x[M, {k_true}] for a weight [N={n_true}, K={k_true}], got x {x.shape}")
@@ -225,7 +227,8 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
         interpret=_interpret_params() if interpret else None,
     )(w.codes, w.scales, xt)
     y_t = functools.reduce(jnp.add, [parts[i] for i in range(s)])  # a fixed order over the K splits
-    return y_t[:n_true, :m].T * w.factor
+    y = y_t[:n_true, :m].T
+    return y * w.factor if apply_factor else y
 
 
 def reference(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> jax.Array:
@@ -246,9 +249,9 @@ def accumulation_bound(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> 
 
 
 # --- the backend -------------------------------------------------------------------------------------------------
-# `fp4_gemm`: this kernel for the dense dot of 4-bit weights (NVFP4 with tensor scaling, MXFP4) with bf16 or NVFP4
-# activations; the xla backend's dot for everything else (float32 activations, other formats) and its quantizers;
-# no grouped (per-expert) dot.
+# `fp4_gemm`: this kernel for the dense dot of 4-bit weights (NVFP4 with tensor scaling, MXFP4) with bf16 or
+# quantized activations; the xla backend's dot for unquantized float32 activations and other weight formats, and
+# its quantizers; no grouped (per-expert) dot.
 
 
 def _is_fp4(fmt_name: str, scaling: str) -> bool:
@@ -266,13 +269,13 @@ def _dot(x_mk: jax.Array, w, prec) -> jax.Array:
         if be.is_quantized(w) or not _is_fp4(prec.weight, prec.weight_scaling):
             return be.reference_dot(x_mk, w, prec)  # not a 4-bit weight: xla's
         w = _quantize_kn(w, prec.weight, prec.weight_scaling)  # a raw weight, quantized for this call
-    if prec.act == "none" and x_mk.dtype == BF16:
-        return fp4_matmul(x_mk, w)
-    if prec.act == "nvfp4":  # W4A4 on Hopper: token-wise (or tensor) NVFP4 values, exact in bf16, into the kernel
-        xq = fmt.quantize_nvfp4(x_mk, scaling=prec.act_scaling)
-        return fp4_matmul(xq.block_values(), w) * xq.global_decode_scale()
-    # float32 activations (the kernel's bf16 operand would round them) and other activation formats: xla's dot
-    return be.reference_dot(x_mk, w.to_tensor(), prec)
+    if prec.act == "none" and x_mk.dtype != BF16:  # the kernel's bf16 operand would round them: xla's dot
+        return be.reference_dot(x_mk, w.to_tensor(), prec)
+    # W4A4 / W4A8 on Hopper: the activations quantized as the reference does (token-wise NVFP4, MXFP8, FP8, ...),
+    # their exact values (bf16 holds every one) into the kernel, their factor and the weight's after the sum, in
+    # the reference's order.
+    xv, fx = be.fake_quant(x_mk, prec.act, prec.act_scaling)
+    return fp4_matmul(xv.astype(BF16), w, apply_factor=False) * fx * w.factor
 
 
 def _probe() -> tuple[bool, str]:

@@ -107,7 +107,7 @@ def test_fp4_matmul_compiled_on_gpu(fmt_name):
 # --- the fp4_gemm backend -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("preset", ["w4a16", "w4a4", "w4a8"])
 def test_fp4_gemm_backend_qdot_matches_xla(preset):
     """Prequantized (the sampler's sync) and raw weights; W4A4's activations quantized token-wise: the qdot output
     (bf16, as the model sees it) is xla's, and the backward runs through the kernel's layout."""
@@ -136,8 +136,8 @@ def test_fp4_gemm_backend_says_what_it_does_not_do():
     w = jax.random.normal(jax.random.key(3), (2, 64, 64)) * 0.05
     with pytest.raises(backends.BackendUnsupportedError, match="grouped"):
         quant.qragged_dot(_x(8, 64), w, jnp.asarray([4, 4], jnp.int32), PRESETS["w4a16"], backend="fp4_gemm")
-    for preset, x in (("fp8", _x(4, 64)), ("w4a8", _x(4, 64)), ("w4a16", _x(4, 64).astype(jnp.float32))):
-        # not 4-bit weights, activations the kernel does not take, float32 activations it would round: xla's dot
+    for preset, x in (("fp8", _x(4, 64)), ("w4a16", _x(4, 64).astype(jnp.float32))):
+        # not 4-bit weights, or float32 activations the kernel would round: xla's dot
         qw = quant.prequantize(w[0], PRESETS[preset], backend="fp4_gemm")
         got = quant.qdot(x, qw, PRESETS[preset], backend="fp4_gemm")
         ref = quant.qdot(x, quant.prequantize(w[0], PRESETS[preset]), PRESETS[preset])
