@@ -49,7 +49,10 @@ from triage_jax.quant import ieee
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
 TILE_N = 64  # weight rows per warpgroup: wgmma's M
 CHUNK = 32  # K per codes row: two 16-element nibble planes
-TARGET_CTAS = 128  # split-K aims at this many CTAs (a fixed number, so results never depend on the device)
+# Split-K aims at this many CTAs: ~4 one-warpgroup CTAs per SM of a 132-SM Hopper, so that while one waits on its
+# TMA loads or its wgmma others decode (a bandwidth-bound kernel hides latency by occupancy). A fixed number, not
+# the device's SM count, so the summation order (and the result) never depends on the device.
+TARGET_CTAS = 512
 
 
 @struct.dataclass
@@ -147,9 +150,28 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _split_k(k_steps: int, ctas: int) -> int:
-    want = max(1, -(-TARGET_CTAS // ctas))
-    return max(s for s in range(1, min(want, k_steps) + 1) if k_steps % s == 0)
+def _divisors(n: int, cap: int) -> list[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def _schedule(k_chunks: int, ctas: int, max_g: int, split_k: int | None, mp: int = 16) -> tuple[int, int]:
+    """(chunks of 32 per pipeline step g, K splits s) with s dividing the K steps: the most CTAs up to TARGET_CTAS
+    (ctas x s), then the fewest splits, then the longest step (fewer, larger TMA copies). The float32 partial sums
+    (s x N x mp x 4 bytes) may not outweigh the weight's codes (N x K / 2 bytes): s <= K / (8 mp), so prefill-sized
+    M takes no split."""
+    want = max(1, min(-(-TARGET_CTAS // ctas), k_chunks * CHUNK // (8 * mp)))
+    best = None
+    for g in _divisors(k_chunks, max_g):
+        k_steps = k_chunks // g
+        if split_k is not None:
+            if k_steps % split_k == 0:
+                best = max(best or (0, 0, 0), (0, g, split_k))
+            continue
+        s = max(_divisors(k_steps, want), key=lambda d: (min(ctas * d, TARGET_CTAS), -d))
+        best = max(best or (0, 0, 0), (min(ctas * s, TARGET_CTAS), g, s))
+    if best is None:
+        raise ValueError(f"fp4_matmul: split_k={split_k} divides none of the K step counts of {k_chunks} chunks")
+    return best[1], best[2]
 
 
 def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
@@ -167,12 +189,9 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
     mp = -(-m // tile_m) * tile_m
     # Chunks of 32 per pipeline step: at most chunks_per_step, and x^T's tile (64 g tile_m bytes) <= 48 KiB, so
     # that steps_in_flight of them and the [64, tile_m] float32 output tile fit in 227 KiB of shared memory.
-    g = max(d for d in range(1, min(chunks_per_step, max(1, 768 // tile_m)) + 1) if (k // CHUNK) % d == 0)
-    k_steps = k // (CHUNK * g)
-    s = split_k or _split_k(k_steps, (n // TILE_N) * (mp // tile_m))
-    if k_steps % s:
-        raise ValueError(f"fp4_matmul: split_k={s} does not divide the {k_steps} K steps")
-    steps = k_steps // s
+    g, s = _schedule(k // CHUNK, (n // TILE_N) * (mp // tile_m), min(chunks_per_step, max(1, 768 // tile_m)),
+                     split_k, mp)
+    steps = k // (CHUNK * g) // s
     xt = jnp.pad(x.astype(BF16), ((0, mp - m), (0, 0))).T.reshape(k // 16, 16, mp)
     mx = w.fmt_name == "mxfp4"
     n_scale_rows = g if mx else 2 * g  # scale rows per step: one per 32 (MXFP4) or per 16 (NVFP4)
