@@ -11,8 +11,8 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     the 50 MB L2): bf16 `jnp.dot`; fp8 (`qdot`, FP8 weights prequantized); w4a16 (NVFP4 weights prequantized,
     packed, bf16 activations); w4a16_int8 (the same weights as int8 2*e2m1 codes, backend xla_int8: the simplest
     layout XLA's GEMM fusion can read); w4a16_fp4gemm (the same weights in kernels/fp4_gemm.py's layout, its Mosaic
-    GPU kernel, backend fp4_gemm); w4a4 and w4a4_fp4gemm (NVFP4 weights, activations quantized token-wise inside
-    the loop). Time per GEMM and effective TB/s of weight bytes (codes + scales), against the device's copy
+    GPU kernel, backend fp4_gemm) and w4a16_fp4gemmreg (that kernel with wgmma's A from registers); w4a4 and
+    w4a4_fp4gemm (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and effective TB/s of weight bytes (codes + scales), against the device's copy
     bandwidth measured here; the best layout per preset and M against the targets.
 (b) engine: Qwen3-0.6B / 4B shapes (random init, bf16), batch 64 and 256, prompt 256, 256 new tokens: decode tok/s
     of the samplers of --samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
@@ -48,8 +48,9 @@ GEMM_SHAPES = ((2560, 9728), (9728, 2560))
 GEMM_MS = (1, 16, 64, 256)
 # <preset>[_<layout>]: w4a16_int8 = NVFP4 weights as int8 codes (backend xla_int8); *_fp4gemm = the Mosaic GPU
 # 4-bit GEMM (backend fp4_gemm, kernels/fp4_gemm.py).
-VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a4", "w4a4_fp4gemm")
-LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm"}
+VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a16_fp4gemmreg", "w4a4", "w4a4_fp4gemm")
+# fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
+LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm"}
 TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
 
 
@@ -105,6 +106,10 @@ def gemm_loop(variant: str, m: int, k: int, n: int, copies: int, iters: int):
         prec = PRESETS[preset]
         stacked = jax.vmap(lambda w: prequantize(w, prec, backend=backend))(ws)
         dot = (lambda a, w: qdot(a, w, prec, backend=backend))
+        if layout == "fp4gemmreg":
+            from triage_jax.kernels import fp4_gemm
+
+            dot = (lambda a, w: fp4_gemm.fp4_matmul(a, w.q, a_operand="registers"))
     one = jax.tree.map(lambda a: a[0], stacked)
 
     @jax.jit

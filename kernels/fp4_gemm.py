@@ -175,15 +175,24 @@ def _schedule(k_chunks: int, ctas: int, max_g: int, split_k: int | None, mp: int
 
 
 def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
-               steps_in_flight: int = 3, interpret: bool | None = None, apply_factor: bool = True) -> jax.Array:
+               steps_in_flight: int = 3, interpret: bool | None = None, apply_factor: bool = True,
+               a_operand: str = "smem") -> jax.Array:
     """y[M, N] float32 = x[M, K] (cast to bf16) . W^T * w.factor (apply_factor=False: without it), W decoded inside
-    the kernel."""
+    the kernel. a_operand: "smem" (the decoded tiles through shared memory, the tested path) or "registers"
+    (wgmma's A straight from registers: no shared-memory round trip or barrier per step; compiled only, since the
+    interpreter has no register operands; raced against "smem" by experiments/bench_gpu.py)."""
+    if a_operand not in ("smem", "registers"):
+        raise ValueError(f"fp4_matmul: a_operand {a_operand!r}; expected 'smem' or 'registers'")
     n_true, k_true = w.shape
     if x.ndim != 2 or x.shape[1] != k_true:
         raise ValueError(f"fp4_matmul: expected x[M, {k_true}] for a weight [N={n_true}, K={k_true}], got x {x.shape}")
     k, n = w.codes.shape[0] * CHUNK, w.codes.shape[1]  # the padded layout's
     x = jnp.pad(x, ((0, 0), (0, k - k_true)))
     interpret = default_interpret() if interpret is None else interpret
+    if interpret and a_operand == "registers":
+        raise ValueError("fp4_matmul: a_operand='registers' needs the compiled kernel (a GPU); the interpreter "
+                         "takes wgmma operands from shared memory only")
+    regs = a_operand == "registers"
     m = x.shape[0]
     tile_m = min(256, -(-m // 16) * 16)
     mp = -(-m // tile_m) * tile_m
@@ -217,11 +226,16 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
                         row = load(s_smem.at[c if mx else 2 * c + h], plgpu.Layout.WGMMA.reduce(1)).astype(I32)
                         scale = _e8m0_value(row) if mx else _e4m3_value(row)
                         v = _e2m1_value(plane) * lax.broadcast_in_dim(scale, (TILE_N, 16), (0,))
-                        a_smem[2 * c + h] = (ieee.flush_subnormals(v) if mx else v).astype(BF16)
-                plgpu.commit_smem()  # the decoded tiles, visible to the tensor cores' async reads
-                for j in range(2 * g):
-                    plgpu.wgmma(acc_ref, a_smem.at[j], x_smem.at[j])
-                plgpu.wgmma_wait(0)  # before the next step overwrites a_smem
+                        a = (ieee.flush_subnormals(v) if mx else v).astype(BF16)
+                        if regs:
+                            plgpu.wgmma(acc_ref, a, x_smem.at[2 * c + h])
+                        else:
+                            a_smem[2 * c + h] = a
+                if not regs:
+                    plgpu.commit_smem()  # the decoded tiles, visible to the tensor cores' async reads
+                    for j in range(2 * g):
+                        plgpu.wgmma(acc_ref, a_smem.at[j], x_smem.at[j])
+                plgpu.wgmma_wait(0)  # before the pipeline reuses x_smem (and a_smem)
 
             plgpu.emit_pipeline(
                 step, grid=(steps,), max_concurrent_steps=steps_in_flight,

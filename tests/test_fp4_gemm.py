@@ -78,17 +78,19 @@ def test_bad_inputs_are_named():
         fg.prepare_weight(fmt.quantize_nvfp4(jnp.ones((64, 64)), scaling="row"))
     with pytest.raises(ValueError, match=r"x\[M, 64\]"):
         fg.fp4_matmul(_x(4, 32), fg.prepare_weight(q))
+    with pytest.raises(ValueError, match="registers"):
+        fg.fp4_matmul(_x(4, 64), fg.prepare_weight(q), interpret=True, a_operand="registers")
     with pytest.raises(ValueError, match="split_k=3"):
         fg.fp4_matmul(_x(4, 64), fg.prepare_weight(q), split_k=3, chunks_per_step=1)
 
 
 @pytest.mark.parametrize("k,n", [(2560, 9728), (9728, 2560)])
-@pytest.mark.parametrize("m", [1, 64, 300])
-def test_fp4_matmul_lowers_for_cuda_at_qwen3_4b_shapes(k, n, m):
+@pytest.mark.parametrize("m,a_operand", [(1, "smem"), (64, "registers"), (300, "smem")])
+def test_fp4_matmul_lowers_for_cuda_at_qwen3_4b_shapes(k, n, m, a_operand):
     """The CPU-side guard of the GPU lowering (Mosaic GPU's TMA, wgmma, register layouts and shared-memory budget
     are all checked when it lowers). The PTX compile itself is test_fp4_matmul_compiled_on_gpu's."""
     pw = jax.eval_shape(lambda: fg.prepare_weight(fmt.quantize_nvfp4(jnp.zeros((n, k)))))
-    fn = jax.jit(lambda x, w: fg.fp4_matmul(x, w, interpret=False))
+    fn = jax.jit(lambda x, w: fg.fp4_matmul(x, w, interpret=False, a_operand=a_operand))
     export.export(fn, platforms=["cuda"])(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), pw)
 
 
@@ -101,7 +103,8 @@ def test_fp4_matmul_compiled_on_gpu(fmt_name):
         pw = fg.prepare_weight(q)
         for m in (1, 16, 64, 256, 300):
             x = _x(m, k, seed=m)
-            _check(fg.fp4_matmul(x, pw, interpret=False), x, q)
+            for a_operand in ("smem", "registers"):
+                _check(fg.fp4_matmul(x, pw, interpret=False, a_operand=a_operand), x, q)
 
 
 # --- the fp4_gemm backend -----------------------------------------------------------------------------------------
