@@ -12,8 +12,9 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     packed, bf16 activations); w4a16_int8 (the same weights as int8 2*e2m1 codes, backend xla_int8: the simplest
     layout XLA's GEMM fusion can read); w4a16_fp4gemm (the same weights in kernels/fp4_gemm.py's layout, its Mosaic
     GPU kernel, backend fp4_gemm) and w4a16_fp4gemmreg (that kernel with wgmma's A from registers); w4a4 and
-    w4a4_fp4gemm (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and effective TB/s of weight bytes (codes + scales), against the device's copy
-    bandwidth measured here; the best layout per preset and M against the targets.
+    w4a4_fp4gemm (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and effective
+    TB/s of weight bytes (codes + scales), against the device's copy bandwidth measured here; the best layout per
+    preset and M against the targets.
 (b) engine: Qwen3-0.6B / 4B shapes (random init, bf16), batch 64 and 256, prompt 256, 256 new tokens: decode tok/s
     of the samplers of --samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
     bf16 on the same GPU, the same weights); the fraction of the memory roofline (weight + KV bytes read per decode
