@@ -27,8 +27,10 @@ in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma'
 W4A4 / W4A8 on Hopper (the `fp4_gemm` backend's dot with quantized activations): the activations are quantized
 by the reference quantizer (token-wise NVFP4, MXFP8, FP8; an XLA pass, not fused into the kernel), their exact
 values go in as bf16 (every NVFP4 / MXFP8 / FP8 value is a bf16) and their factors scale the output.
-Per-expert (grouped) weights: not here; the grouped form would index the weight by each row tile's expert (a
-scalar-prefetched group table), which Mosaic GPU's pipeline can take as a GMEM slice per tile.
+Per-expert (grouped) weights, `fp4_grouped_matmul` (jax.lax.ragged_dot's contract): each group's rows are moved
+to row tiles of their own, a table gives each tile its expert (read by the kernel as a scalar from global memory,
+then a dynamic slice of the stacked codes and scales) and its valid rows (an empty tile is skipped: nothing read,
+nothing written). An expert's weight crosses HBM once per row tile of its group.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ class FP4GemmWeight:
     rounding: str = struct.field(pytree_node=False, default="floor")
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """(N, K) of the weight."""
-        return self.n, self.k
+    def shape(self) -> tuple[int, ...]:
+        """(..., N, K) of the weight (a leading E for per-expert weights, prepare_weight under vmap)."""
+        return tuple(self.codes.shape[:-3]) + (self.n, self.k)
 
     @property
     def factor(self) -> jax.Array:
@@ -79,7 +81,8 @@ class FP4GemmWeight:
         return fmt.nvfp4_decode_factor(self.amax) if self.fmt_name == "nvfp4" else jnp.float32(1.0)
 
     def to_tensor(self) -> fmt.NVFP4Tensor | fmt.MXFP4Tensor:
-        """The quantized tensor [N, K] this layout was made from (the exact inverse of prepare_weight)."""
+        """The quantized tensor [N, K] this layout was made from (the exact inverse of prepare_weight; per expert
+        under vmap)."""
         (k_chunks, n_pad, _), (n, k) = self.codes.shape, self.shape
         c = self.codes.astype(jnp.uint32)
         codes = jnp.stack([c & 0xF, c >> 4], axis=2).transpose(1, 0, 2, 3).reshape(n_pad, k_chunks * 16, 2)
@@ -174,35 +177,26 @@ def _schedule(k_chunks: int, ctas: int, max_g: int, split_k: int | None, mp: int
     return best[1], best[2]
 
 
-def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
-               steps_in_flight: int = 3, interpret: bool | None = None, apply_factor: bool = True,
-               a_operand: str = "smem") -> jax.Array:
-    """y[M, N] float32 = x[M, K] (cast to bf16) . W^T * w.factor (apply_factor=False: without it), W decoded inside
-    the kernel. a_operand: "smem" (the decoded tiles through shared memory, the tested path) or "registers"
-    (wgmma's A straight from registers: no shared-memory round trip or barrier per step; compiled only, since the
-    interpreter has no register operands; raced against "smem" by experiments/bench_gpu.py)."""
+def _check_a_operand(a_operand: str, interpret: bool) -> None:
     if a_operand not in ("smem", "registers"):
         raise ValueError(f"fp4_matmul: a_operand {a_operand!r}; expected 'smem' or 'registers'")
-    n_true, k_true = w.shape
-    if x.ndim != 2 or x.shape[1] != k_true:
-        raise ValueError(f"fp4_matmul: expected x[M, {k_true}] for a weight [N={n_true}, K={k_true}], got x {x.shape}")
-    k, n = w.codes.shape[0] * CHUNK, w.codes.shape[1]  # the padded layout's
-    x = jnp.pad(x, ((0, 0), (0, k - k_true)))
-    interpret = default_interpret() if interpret is None else interpret
     if interpret and a_operand == "registers":
         raise ValueError("fp4_matmul: a_operand='registers' needs the compiled kernel (a GPU); the interpreter "
                          "takes wgmma operands from shared memory only")
-    regs = a_operand == "registers"
-    m = x.shape[0]
-    tile_m = min(256, -(-m // 16) * 16)
-    mp = -(-m // tile_m) * tile_m
+
+
+def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: bool, chunks_per_step: int,
+                 split_k: int | None, steps_in_flight: int, interpret: bool, regs: bool) -> jax.Array:
+    """The kernel over codes [E, K/32, N, 16], scales [E, K/16 or K/32, N], xt [K/16, 16, P] (P a multiple of
+    tile_m), the expert of each row tile tile_expert [P / tile_m] and its valid rows tile_rows (a tile with none
+    is skipped: nothing read, nothing written) -> float32 partial sums [s, N, P] (y^T per K split)."""
+    _, k_chunks, n, _ = codes.shape
+    mp = xt.shape[-1]
     # Chunks of 32 per pipeline step: at most chunks_per_step, and x^T's tile (64 g tile_m bytes) <= 48 KiB, so
     # that steps_in_flight of them and the [64, tile_m] float32 output tile fit in 227 KiB of shared memory.
-    g, s = _schedule(k // CHUNK, (n // TILE_N) * (mp // tile_m), min(chunks_per_step, max(1, 768 // tile_m)),
-                     split_k, mp)
-    steps = k // (CHUNK * g) // s
-    xt = jnp.pad(x.astype(BF16), ((0, mp - m), (0, 0))).T.reshape(k // 16, 16, mp)
-    mx = w.fmt_name == "mxfp4"
+    g, s = _schedule(k_chunks, (n // TILE_N) * (mp // tile_m), min(chunks_per_step, max(1, 768 // tile_m)),
+                     split_k, tile_m)
+    steps = k_chunks // g // s
     n_scale_rows = g if mx else 2 * g  # scale rows per step: one per 32 (MXFP4) or per 16 (NVFP4)
     # x^T tiles [16, tile_m] bf16 as wgmma's B: 32-byte swizzle, so K = 16 per wgmma (a 128-byte swizzle needs 64).
     x_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
@@ -213,10 +207,12 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
         # scale vectors in its row-reduced form, so that they broadcast along a tile's rows.
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
 
-    def kernel(c_gmem, s_gmem, x_gmem, o_gmem, o_smem, a_smem):
+    def kernel(e_gmem, r_gmem, c_gmem, s_gmem, x_gmem, o_gmem, o_smem, a_smem):
         n0 = lax.axis_index("n") * TILE_N
-        m0 = lax.axis_index("m") * tile_m
+        t = lax.axis_index("m")
+        m0 = t * tile_m
         ks = lax.axis_index("k")
+        e = e_gmem[t]  # this row tile's expert (0 for a dense weight)
 
         def compute(acc_ref):
             def step(_, c_smem, s_smem, x_smem):
@@ -242,26 +238,112 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
                 in_specs=[plgpu.BlockSpec((g, TILE_N, 16), lambda i: (i, 0, 0)),
                           plgpu.BlockSpec((n_scale_rows, TILE_N), lambda i: (i, 0)),
                           plgpu.BlockSpec((2 * g, 16, tile_m), lambda i: (i, 0, 0), transforms=x_transforms)],
-            )(c_gmem.at[pl.ds(ks * steps * g, steps * g), pl.ds(n0, TILE_N)],
-              s_gmem.at[pl.ds(ks * steps * n_scale_rows, steps * n_scale_rows), pl.ds(n0, TILE_N)],
+            )(c_gmem.at[e, pl.ds(ks * steps * g, steps * g), pl.ds(n0, TILE_N)],
+              s_gmem.at[e, pl.ds(ks * steps * n_scale_rows, steps * n_scale_rows), pl.ds(n0, TILE_N)],
               x_gmem.at[pl.ds(ks * steps * 2 * g, steps * 2 * g), :, pl.ds(m0, tile_m)])
             return acc_ref[...]
 
-        o_smem[...] = pl.run_scoped(compute, plgpu.ACC((TILE_N, tile_m), F32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ks, pl.ds(n0, TILE_N), pl.ds(m0, tile_m)])
-        plgpu.wait_smem_to_gmem(0)
+        @pl.when(r_gmem[t] > 0)
+        def _tile():
+            o_smem[...] = pl.run_scoped(compute, plgpu.ACC((TILE_N, tile_m), F32))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ks, pl.ds(n0, TILE_N), pl.ds(m0, tile_m)])
+            plgpu.wait_smem_to_gmem(0)
 
-    parts = plgpu.kernel(
+    return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((s, n, mp), F32),
         grid=(n // TILE_N, mp // tile_m, s), grid_names=("n", "m", "k"),
         scratch_types=[plgpu.SMEM((TILE_N, tile_m), F32),
                        plgpu.SMEM((2 * g, TILE_N, 16), BF16, transforms=a_transforms)],
         interpret=_interpret_params() if interpret else None,
-    )(w.codes, w.scales, xt)
-    y_t = functools.reduce(jnp.add, [parts[i] for i in range(s)])  # a fixed order over the K splits
-    y = y_t[:n_true, :m].T
+    )(tile_expert.astype(I32), tile_rows.astype(I32), codes, scales, xt)
+
+
+def _sum_splits(parts: jax.Array) -> jax.Array:
+    return functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])  # a fixed order over the splits
+
+
+def _xt(x: jax.Array, k: int, rows: int) -> jax.Array:
+    """x [M, K'] -> x^T as [K/16, 16, rows] bf16, zero-padded to K columns and `rows` rows."""
+    x = jnp.pad(x.astype(BF16), ((0, rows - x.shape[0]), (0, k - x.shape[1])))
+    return x.T.reshape(k // 16, 16, rows)
+
+
+def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
+               steps_in_flight: int = 3, interpret: bool | None = None, apply_factor: bool = True,
+               a_operand: str = "smem") -> jax.Array:
+    """y[M, N] float32 = x[M, K] (cast to bf16) . W^T * w.factor (apply_factor=False: without it), W decoded inside
+    the kernel. a_operand: "smem" (the decoded tiles through shared memory, the tested path) or "registers"
+    (wgmma's A straight from registers: no shared-memory round trip or barrier per step; compiled only, since the
+    interpreter has no register operands; raced against "smem" by experiments/bench_gpu.py)."""
+    if w.codes.ndim != 3:
+        raise ValueError(f"fp4_matmul: one weight expected, got codes {w.codes.shape} (per expert: fp4_grouped_matmul)")
+    n_true, k_true = w.shape
+    if x.ndim != 2 or x.shape[1] != k_true:
+        raise ValueError(f"fp4_matmul: expected x[M, {k_true}] for a weight [N={n_true}, K={k_true}], got x {x.shape}")
+    interpret = default_interpret() if interpret is None else interpret
+    _check_a_operand(a_operand, interpret)
+    k = w.codes.shape[0] * CHUNK  # the padded layout's
+    m = x.shape[0]
+    tile_m = min(256, -(-m // 16) * 16)
+    mp = -(-m // tile_m) * tile_m
+    tiles = mp // tile_m
+    parts = _kernel_call(w.codes[None], w.scales[None], _xt(x, k, mp), jnp.zeros((tiles,), I32),
+                         jnp.full((tiles,), tile_m, I32), tile_m=tile_m, mx=w.fmt_name == "mxfp4",
+                         chunks_per_step=chunks_per_step, split_k=split_k, steps_in_flight=steps_in_flight,
+                         interpret=interpret, regs=a_operand == "registers")
+    y = _sum_splits(parts)[:n_true, :m].T
     return y * w.factor if apply_factor else y
+
+
+def grouped_tiles(group_sizes_e: jax.Array, m: int, tile_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each group's rows moved to its own row tiles: (destination row of each of the m rows [M] (P for rows past
+    the groups), the expert of each tile [T], its valid rows [T]); T = ceil(m / tile_m) + E bounds the tiles any
+    group sizes need (each group wastes less than one tile), P = T tile_m."""
+    e = group_sizes_e.shape[0]
+    t = -(-m // tile_m) + e
+    gs = group_sizes_e.astype(I32)
+    tiles_e = -(-gs // tile_m)
+    tile_start_e = jnp.cumsum(tiles_e) - tiles_e
+    row_start_e = jnp.cumsum(gs) - gs
+    r = jnp.arange(m, dtype=I32)
+    group = be.row_groups(gs, m)
+    dest = jnp.where(r < jnp.sum(gs), tile_start_e[group] * tile_m + r - row_start_e[group], t * tile_m)
+    ti = jnp.arange(t, dtype=I32)
+    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_e), ti, side="right"), e - 1).astype(I32)
+    rows = gs[tile_expert] - (ti - tile_start_e[tile_expert]) * tile_m
+    return dest, tile_expert, jnp.where(ti < jnp.sum(tiles_e), jnp.clip(rows, 0, tile_m), 0)
+
+
+def fp4_grouped_matmul(x: jax.Array, w: FP4GemmWeight, group_sizes_e: jax.Array, *, tile_m: int | None = None,
+                       chunks_per_step: int = 4, steps_in_flight: int = 3, interpret: bool | None = None,
+                       apply_factor: bool = True, a_operand: str = "smem") -> jax.Array:
+    """Per-expert y[M, N] float32: rows of x [M, K] (sorted by group, as jax.lax.ragged_dot takes them) times their
+    expert's W_e^T (w: FP4GemmWeight with a leading E axis, prepare_weight under vmap) * its factor. Each group's
+    rows go to row tiles of their own (tile_m: default the mean group size rounded up to 16, at most 256), and each
+    tile reads its expert's codes: an expert's weight crosses HBM once per tile of its rows, and a tile with no
+    rows is skipped."""
+    if w.codes.ndim != 4:
+        raise ValueError(f"fp4_grouped_matmul: per-expert weights expected, got codes {w.codes.shape}")
+    e = w.codes.shape[0]
+    n_true, k_true = w.shape[-2:]
+    if x.ndim != 2 or x.shape[1] != k_true or group_sizes_e.shape != (e,):
+        raise ValueError(f"fp4_grouped_matmul: expected x[M, {k_true}] and group sizes [{e}], got x {x.shape} and "
+                         f"{group_sizes_e.shape}")
+    interpret = default_interpret() if interpret is None else interpret
+    _check_a_operand(a_operand, interpret)
+    m, k = x.shape[0], w.codes.shape[1] * CHUNK
+    tile_m = tile_m or min(256, max(16, -(-(-(-m // e)) // 16) * 16))
+    dest, tile_expert, tile_rows = grouped_tiles(group_sizes_e, m, tile_m)
+    p = tile_expert.shape[0] * tile_m
+    x_p = jnp.zeros((p, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+    parts = _kernel_call(w.codes, w.scales, _xt(x_p, k, p), tile_expert, tile_rows, tile_m=tile_m,
+                         mx=w.fmt_name == "mxfp4", chunks_per_step=chunks_per_step, split_k=1,
+                         steps_in_flight=steps_in_flight, interpret=interpret, regs=a_operand == "registers")
+    y_t = _sum_splits(parts)[:n_true]  # [N, P]; rows of skipped tiles were never written, and are never read
+    y = jnp.take(y_t, jnp.minimum(dest, p - 1), axis=1).T
+    y = jnp.where((dest < p)[:, None], y, 0.0)  # rows past the groups: 0, as ragged_dot gives them
+    return y * be.per_row_factor(w.factor, be.row_groups(group_sizes_e, m)) if apply_factor else y
 
 
 def reference(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> jax.Array:
@@ -282,9 +364,9 @@ def accumulation_bound(x: jax.Array, w_q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> 
 
 
 # --- the backend -------------------------------------------------------------------------------------------------
-# `fp4_gemm`: this kernel for the dense dot of 4-bit weights (NVFP4 with tensor scaling, MXFP4) with bf16 or
-# quantized activations; the xla backend's dot for unquantized float32 activations and other weight formats, and
-# its quantizers; no grouped (per-expert) dot.
+# `fp4_gemm`: this kernel for the dense and the grouped (per-expert) dot of 4-bit weights (NVFP4 with tensor
+# scaling, MXFP4) with bf16 or quantized activations; the xla backend's dots for unquantized float32 activations
+# and other weight formats, and its quantizers.
 
 
 def _is_fp4(fmt_name: str, scaling: str) -> bool:
@@ -311,6 +393,18 @@ def _dot(x_mk: jax.Array, w, prec) -> jax.Array:
     return fp4_matmul(xv.astype(BF16), w, apply_factor=False) * fx * w.factor
 
 
+def _grouped_dot(x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Array:
+    if not isinstance(w, FP4GemmWeight):
+        if be.is_quantized(w) or not _is_fp4(prec.weight, prec.weight_scaling):
+            return be.reference_grouped_dot(x_mk, w, group_sizes_e, prec)  # not 4-bit weights: xla's
+        w = jax.vmap(lambda m: _quantize_kn(m, prec.weight, prec.weight_scaling))(w)  # raw [E, K, N], per expert
+    if prec.act == "none" and x_mk.dtype != BF16:
+        return be.reference_grouped_dot(x_mk, jax.vmap(FP4GemmWeight.to_tensor)(w), group_sizes_e, prec)
+    xv, fx = be.fake_quant(x_mk, prec.act, prec.act_scaling)
+    y = fp4_grouped_matmul(xv.astype(BF16), w, group_sizes_e, apply_factor=False)
+    return y * fx * be.per_row_factor(w.factor, be.row_groups(group_sizes_e, x_mk.shape[0]))
+
+
 def _probe() -> tuple[bool, str]:
     where = "Mosaic GPU's CPU interpreter (slow; for checks)" if default_interpret() else "compiled (Mosaic GPU)"
     if not default_interpret():
@@ -322,8 +416,7 @@ def _probe() -> tuple[bool, str]:
 
 BACKEND = be.Backend(
     "fp4_gemm", _probe, be.reference_quantize, be.reference_matmul, accelerated=lambda: False,
-    quantize_kn=_quantize_kn, dot=_dot,
-    unsupported={"grouped_dot": "no grouped (per-expert) form of the 4-bit GEMM yet (kernels/fp4_gemm.py)"},
+    quantize_kn=_quantize_kn, dot=_dot, grouped_dot=_grouped_dot,
 )  # never picked by `auto` until a GPU measurement shows it faster (experiments/bench_gpu.py)
 
 

@@ -94,6 +94,29 @@ def test_fp4_matmul_lowers_for_cuda_at_qwen3_4b_shapes(k, n, m, a_operand):
     export.export(fn, platforms=["cuda"])(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), pw)
 
 
+def test_fp4_grouped_matmul_lowers_for_cuda():
+    """Qwen3-30B-A3B's expert MLP shape at decode: 128 experts, 512 routed rows."""
+    pw = jax.eval_shape(lambda: jax.vmap(fg.prepare_weight)(jax.vmap(fmt.quantize_nvfp4)(jnp.zeros((128, 768, 2048)))))
+    fn = jax.jit(lambda x, w, g: fg.fp4_grouped_matmul(x, w, g, interpret=False))
+    export.export(fn, platforms=["cuda"])(jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16), pw,
+                                          jax.ShapeDtypeStruct((128,), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
+def test_fp4_grouped_matmul_compiled_on_gpu():
+    ws = jax.random.normal(jax.random.key(9), (8, 768, 2048)) * 0.02
+    qs = jax.vmap(fmt.quantize_nvfp4)(ws)
+    pw = jax.vmap(fg.prepare_weight)(qs)
+    x = _x(512, 2048, seed=10)
+    gs = jnp.asarray(np.random.default_rng(0).multinomial(500, [1 / 8] * 8), jnp.int32)  # 12 rows past the groups
+    ref = _ragged_reference(x, qs, gs)
+    for a_operand in ("smem", "registers"):
+        got = fg.fp4_grouped_matmul(x, pw, gs, interpret=False, a_operand=a_operand)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0,
+                                   atol=4 * 2048 * 2.0**-24 * float(jnp.max(jnp.abs(ref))))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
 @pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
@@ -131,20 +154,67 @@ def test_fp4_gemm_backend_qdot_matches_xla(preset):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_ref, np.float32))
 
 
-def test_fp4_gemm_backend_says_what_it_does_not_do():
+def test_fp4_gemm_backend_hands_other_cases_to_xla():
     from triage_jax import quant
     from triage_jax.quant import PRESETS, backends
 
     assert backends.available_backends()["fp4_gemm"][0] and backends.resolve_backend("auto") != "fp4_gemm"
     w = jax.random.normal(jax.random.key(3), (2, 64, 64)) * 0.05
-    with pytest.raises(backends.BackendUnsupportedError, match="grouped"):
-        quant.qragged_dot(_x(8, 64), w, jnp.asarray([4, 4], jnp.int32), PRESETS["w4a16"], backend="fp4_gemm")
     for preset, x in (("fp8", _x(4, 64)), ("w4a16", _x(4, 64).astype(jnp.float32))):
         # not 4-bit weights, or float32 activations the kernel would round: xla's dot
         qw = quant.prequantize(w[0], PRESETS[preset], backend="fp4_gemm")
         got = quant.qdot(x, qw, PRESETS[preset], backend="fp4_gemm")
         ref = quant.qdot(x, quant.prequantize(w[0], PRESETS[preset]), PRESETS[preset])
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+
+
+def _ragged_reference(x, qs, gs):
+    """ragged_dot of x (as bf16) with the per-expert block values, then each row's expert factor, in float32."""
+    e, m = gs.shape[0], x.shape[0]
+    y = jax.lax.ragged_dot(x.astype(jnp.bfloat16).astype(jnp.float32), jnp.swapaxes(qs.block_values(), 1, 2), gs,
+                           precision=jax.lax.Precision.HIGHEST)
+    f = jnp.broadcast_to(qs.global_decode_scale() if isinstance(qs, fmt.NVFP4Tensor) else jnp.float32(1.0), (e,))
+    return y * f[jnp.repeat(jnp.arange(e), gs, total_repeat_length=m)][:, None]
+
+
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("sizes", [(10, 0, 22), (40, 0, 0), (0, 0, 33), (5, 5, 5)])
+def test_fp4_grouped_matmul_equals_ragged_dot(fmt_name, sizes):
+    """Empty groups, one group holding every row, rows past the groups (0, as ragged_dot gives them), groups that
+    share no tile; the group sizes are traced (one compile for all)."""
+    ws = jax.random.normal(jax.random.key(4), (3, 64, 128)) * 0.05
+    qs = jax.vmap(fmt.quantize_nvfp4 if fmt_name == "nvfp4" else fmt.quantize_mxfp4)(ws)
+    pw = jax.vmap(fg.prepare_weight)(qs)
+    x, gs = _x(40, 128, seed=6), jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(lambda a, w, g: fg.fp4_grouped_matmul(a, w, g, tile_m=16))(x, pw, gs)
+    ref = _ragged_reference(x, qs, gs)
+    bound = 2 * 128 * 2.0**-24 * float(jnp.max(jnp.abs(ref))) * 8 + 1e-30  # loose: a wrong tile is O(1) off
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=bound)
+    assert not np.any(np.asarray(got)[sum(sizes):])  # rows past the groups are exactly 0
+
+
+def test_grouped_tiles_place_each_group_in_its_own_tiles():
+    dest, tile_expert, tile_rows = fg.grouped_tiles(jnp.asarray([3, 0, 17, 1], jnp.int32), 24, 8)
+    # group 0: rows 0-2 -> tile 0; group 2: rows 3-19 -> tiles 1-3; group 3: row 20 -> tile 4; rows 21-23 past
+    np.testing.assert_array_equal(np.asarray(dest), [0, 1, 2, *range(8, 25), 32, 56, 56, 56])
+    np.testing.assert_array_equal(np.asarray(tile_expert)[:5], [0, 2, 2, 2, 3])
+    np.testing.assert_array_equal(np.asarray(tile_rows), [3, 8, 8, 1, 1, 0, 0])
+
+
+@pytest.mark.parametrize("preset", ["w4a16", "w4a4"])
+def test_fp4_gemm_backend_qragged_dot_matches_xla(preset):
+    from triage_jax import quant
+    from triage_jax.quant import PRESETS
+
+    prec = PRESETS[preset]
+    w = jax.random.normal(jax.random.key(7), (2, 64, 64)) * 0.05
+    x, gs = _x(20, 64, seed=8), jnp.asarray([12, 6], jnp.int32)
+    qw = quant.prequantize(w, prec, backend="fp4_gemm")
+    assert isinstance(qw.q, fg.FP4GemmWeight) and qw.q.codes.shape[0] == 2
+    ref = np.asarray(quant.qragged_dot(x, quant.prequantize(w, prec), gs, prec), np.float32)
+    for wgt in (qw, w):
+        got = np.asarray(quant.qragged_dot(x, wgt, gs, prec, backend="fp4_gemm"), np.float32)
+        np.testing.assert_allclose(got, ref, rtol=2**-7, atol=1e-6)
 
 
 @pytest.mark.slow

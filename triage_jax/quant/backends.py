@@ -8,8 +8,8 @@ Every backend is a registry entry, and `qdot` / `qragged_dot` dispatch through i
   compiled on GPU. The kernel module registers itself on import; the registry imports the modules named in
   `KERNEL_BACKENDS` on its first query, and a module that does not import is registered as unavailable with why.
 - `fp4_gemm`: kernels/fp4_gemm.py, a Mosaic GPU 4-bit weight GEMM for Hopper (NVFP4 / MXFP4 weights prequantized
-  into its layout, bf16 or NVFP4 activations); xla's quantizers, and xla's dot for float32 activations and every
-  other format; no grouped dot. Mosaic GPU's CPU interpreter off a GPU.
+  into its layout, dense and grouped, bf16 or quantized activations); xla's quantizers, and xla's dots for float32
+  activations and every other format. Mosaic GPU's CPU interpreter off a GPU.
 - `cudnn`: the reference quantizers + `jax.nn.scaled_matmul` (the cuDNN block-scaled GEMM behind
   `jax.nn.scaled_dot_general`), on compute capability >= 10.0 only. The project's quantizers feed it because
   `scaled_dot_general`'s own quantizer divides and makes zero blocks NaN (numerics.md); only the GEMM differs.
