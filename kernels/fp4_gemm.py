@@ -195,7 +195,7 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
     # Chunks of 32 per pipeline step: at most chunks_per_step, and x^T's tile (64 g tile_m bytes) <= 48 KiB, so
     # that steps_in_flight of them and the [64, tile_m] float32 output tile fit in 227 KiB of shared memory.
     g, s = _schedule(k_chunks, (n // TILE_N) * (mp // tile_m), min(chunks_per_step, max(1, 768 // tile_m)),
-                     split_k, tile_m)
+                     split_k, mp)
     steps = k_chunks // g // s
     n_scale_rows = g if mx else 2 * g  # scale rows per step: one per 32 (MXFP4) or per 16 (NVFP4)
     # x^T tiles [16, tile_m] bf16 as wgmma's B: 32-byte swizzle, so K = 16 per wgmma (a 128-byte swizzle needs 64).
