@@ -4,8 +4,8 @@ Every backend is a registry entry, and `qdot` / `qragged_dot` dispatch through i
 `Backend.grouped_forward`); nothing outside this registry branches on a backend's name.
 
 - `xla`: the pure jax.numpy reference, everywhere (its own fused dense and grouped forwards).
-- `pallas`: kernels/pallas_quant.py (quantize kernels + a fused dequantize-matmul); interpret mode on CPU,
-  compiled on GPU. The kernel module registers itself on import; the registry imports the modules named in
+- `pallas`: kernels/pallas_quant.py (quantize kernels + a fused dequantize-matmul); interpret mode on CPU; on a
+  GPU the quantizers compile with Mosaic GPU and the GEMM is xla's (the fused one does not lower). The kernel module registers itself on import; the registry imports the modules named in
   `KERNEL_BACKENDS` on its first query, and a module that does not import is registered as unavailable with why.
 - `fp4_gemm`: kernels/fp4_gemm.py, a Mosaic GPU 4-bit weight GEMM for Hopper (NVFP4 / MXFP4 weights prequantized
   into its layout, dense and grouped, bf16 or quantized activations); xla's quantizers, and xla's dots for float32
