@@ -275,15 +275,17 @@ def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s
                   steps: int):
     """Up to `steps` decode steps of every active slot (fewer when all are done): feed each slot's last token,
     draw the next one."""
-    model = nnx.merge(graphdef, state)
     rows_s = jnp.arange(slots.tok.shape[0])
 
     def cond(c):
-        i, sl = c
+        i, sl, _ = c
         return (i < steps) & jnp.any(sl.active)
 
     def body(c):
-        i, sl = c
+        i, sl, st_w = c
+        # The weights ride in the loop's carry (unchanged) and the model is built inside: nnx.scan (scan_layers=True)
+        # cannot use graph nodes from the trace outside the loop.
+        model = nnx.merge(graphdef, st_w)
         h_s1d, cache, *aux = model(sl.tok[:, None], attention_mask_bt=sl.active[:, None], policy=policy,
                                    cache=sl.cache, return_hidden=True, return_aux=sl.out_exp is not None)
         # The head's kernel is taken inside the loop, next to its dot, as the learner's program has it: hoisted out,
@@ -300,9 +302,9 @@ def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s
         return i + 1, sl.replace(
             cache=cache, tok=jnp.where(sl.active, new_s, sl.tok), active=sl.active & ~done_s, n_gen=n_gen,
             out_tok=sl.out_tok.at[rows_s, idx_s].set(new_s, mode="drop"),
-            out_logp=sl.out_logp.at[rows_s, idx_s].set(logp_s, mode="drop"))
+            out_logp=sl.out_logp.at[rows_s, idx_s].set(logp_s, mode="drop")), st_w
 
-    return jax.lax.while_loop(cond, body, (jnp.int32(0), slots))[1]
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), slots, state))[1]
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("slots",))
