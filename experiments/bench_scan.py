@@ -1,0 +1,100 @@
+"""Layers in a scan or unrolled, for the rollout engine: compile time of the first generate and the warm generate.
+
+    python experiments/bench_scan.py [--layers 36] [--repeats 3]
+
+A Qwen3-4B-deep model (36 layers by default) at a narrow width (hidden 256, so a CPU compiles and runs it in
+seconds; the compile cost grows with the op count, which the depth sets), bf16, random init, the same weights in
+both forms (save_pretrained, then from_pretrained with scan_layers=False / True). The first generate runs in a
+fresh process per form (compile included, no persistent cache); the warm generates run interleaved in one process
+(best of --repeats). Greedy tokens of the two forms are compared. Prints a table and one JSON line
+(`"bench": "scan"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.loadavg import machine_load  # noqa: E402
+
+WIDTH = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             vocab_size=1024, dtype="bfloat16", param_dtype="bfloat16")
+SLOTS, PROMPT, NEW = 8, 32, 16
+
+RUN = """
+import json, sys, time
+t0 = time.perf_counter()
+import jax, numpy as np
+from triage_jax import models
+from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
+model = models.from_pretrained(sys.argv[1], scan_layers=sys.argv[2] == "scan", dtype="bfloat16",
+                               param_dtype="bfloat16")
+eng = Engine(SamplingConfig(max_new_tokens={new}, greedy=True),
+             EngineConfig(max_slots={slots}, max_len={prompt} + {new}, max_prompt_len={prompt}, prefill_batch={slots}),
+             model=model)
+prompts = [np.random.default_rng(k).integers(2, {vocab}, {prompt}).tolist() for k in range({slots})]
+t1 = time.perf_counter()
+tokens = np.asarray(jax.block_until_ready(eng.generate(prompts, jax.random.key(0)).tokens))
+first = time.perf_counter() - t1
+warm = []
+for _ in range(int(sys.argv[3])):
+    t = time.perf_counter()
+    jax.block_until_ready(eng.generate(prompts, jax.random.key(1)).tokens)
+    warm.append(time.perf_counter() - t)
+print("RESULT", json.dumps({{"first_s": first, "warm_s": min(warm), "tokens": tokens.tolist()}}))
+"""
+
+
+def run_form(path: str, form: str, repeats: int) -> dict:
+    """One fresh process per form: its first generate compiles from nothing (the persistent cache is off)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": "", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    code = RUN.format(new=NEW, slots=SLOTS, prompt=PROMPT, vocab=WIDTH["vocab_size"])
+    out = subprocess.run([sys.executable, "-c", code, path, form, str(repeats)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=1800)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if not line:
+        raise RuntimeError(f"{form}: no result\n{out.stderr[-2000:]}")
+    return json.loads(line[0][len("RESULT "):])
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    from flax import nnx
+
+    from triage_jax import models
+
+    load = machine_load()
+    print(load.line())
+    cfg = models.get_model_config("qwen3_4b", num_hidden_layers=args.layers, **WIDTH)
+    with tempfile.TemporaryDirectory() as d:
+        models.save_pretrained(models.Qwen3(cfg, rngs=nnx.Rngs(0)), d)
+        res = {form: run_form(d, form, args.repeats) for form in ("unrolled", "scan")}
+    same = res["unrolled"].pop("tokens") == res["scan"].pop("tokens")
+    print(f"\n{args.layers} layers, width {WIDTH['hidden_size']}, bf16; {SLOTS} prompts x {PROMPT} tokens, "
+          f"{NEW} new{load.tag()}")
+    print(f"{'form':>9} {'first call s':>13} {'warm s':>8}")
+    for form, r in res.items():
+        print(f"{form:>9} {r['first_s']:>13.2f} {r['warm_s']:>8.3f}")
+    out = {"bench": "scan", "layers": args.layers, **{f"{f}_{k}": round(v, 4) for f, r in res.items()
+                                                      for k, v in r.items()},
+           "compile_ratio_scan_vs_unrolled": round(res["scan"]["first_s"] / res["unrolled"]["first_s"], 3),
+           "warm_ratio_scan_vs_unrolled": round(res["scan"]["warm_s"] / res["unrolled"]["warm_s"], 3),
+           "greedy_tokens_equal": same, **load.fields()}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
