@@ -11,16 +11,17 @@ Weight layout (`FP4GemmWeight`, made once by `prepare_weight`, at the sampler's 
          nibbles (Mosaic GPU cannot reshape a register tile) and one scale per row covers a decoded [64, 16] tile.
   scales [K/16, N] uint8 (NVFP4: E4M3 codes) or [K/32, N] (MXFP4: E8M0 exponents), K-major so that a block's
          scales for 64 rows are one contiguous vector.
-  factor float32: NVFP4's tensor decode scale (amax / 2688), 1 for MXFP4; applied to the output.
+  amax   float32: NVFP4's tensor amax; its decode scale amax / 2688 (`factor`, 1 for MXFP4) scales the output.
 
 Kernel: swap-AB, the weights in wgmma's M slot (y^T[N, M] = W . x^T), since decode has M = 1..64 rows and wgmma's
 M is 64: one warpgroup per 64 weight rows, a TMA pipeline over K streaming codes, scales and x^T tiles into shared
 memory, and per 16-element block: decode in registers with integer bit tricks (E2M1 code -> float32 bits, E4M3 /
 E8M0 code -> float32 bits; no lookup table and no float4 convert, which Mosaic GPU refuses below sm_100), one
 multiply by the block scale (the product e2m1 * s is exact in bfloat16), a store to shared memory and a wgmma
-(bf16 x bf16 -> float32) against x^T. The decoded tile goes through shared memory rather than straight from
-registers as wgmma's A operand: Mosaic GPU's CPU interpreter (the tests' only way to run this kernel without a
-GPU) takes wgmma operands from shared memory only, and one code path is what is tested. Split-K over a second
+(bf16 x bf16 -> float32) against x^T. By default the decoded tile goes through shared memory rather than straight
+from registers as wgmma's A operand: Mosaic GPU's CPU interpreter (the tests' only way to run this kernel without a
+GPU) takes wgmma operands from shared memory only, and the default is the tested path; `a_operand="registers"`
+(compiled only) skips the round trip, for the GPU to race. Split-K over a second
 grid axis fills the SMs at decode shapes (N / 64 CTAs alone are 40 at N = 2560); the partial sums are added in XLA
 in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma's N).
 
