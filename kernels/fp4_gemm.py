@@ -128,13 +128,6 @@ def _e2m1_value(c):
     return lax.bitcast_convert_type(bits, F32)
 
 
-def _e4m3_value(c):
-    """float32 values of non-negative E4M3 codes (int32): fmt.e4m3_decode_nonneg's integer decode."""
-    e, m = (c >> 3) & 0xF, c & 7
-    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), F32)
-    return jnp.where(e == 0, m.astype(F32) * jnp.float32(2.0**-9), normal)
-
-
 def _e8m0_value(c):
     """2^(c - 127) for E8M0 exponents (int32), flushed at c = 0 and NaN at 255, as MXFP4Tensor.block_values."""
     v = lax.bitcast_convert_type(c << 23, F32)
@@ -220,8 +213,8 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
                 for c in range(g):
                     codes = load(c_smem.at[c], plgpu.Layout.WGMMA).astype(I32)
                     for h, plane in enumerate((codes & 0xF, codes >> 4)):
-                        row = load(s_smem.at[c if mx else 2 * c + h], plgpu.Layout.WGMMA.reduce(1)).astype(I32)
-                        scale = _e8m0_value(row) if mx else _e4m3_value(row)
+                        row = load(s_smem.at[c if mx else 2 * c + h], plgpu.Layout.WGMMA.reduce(1))
+                        scale = _e8m0_value(row.astype(I32)) if mx else fmt.e4m3_decode_nonneg(row)
                         v = _e2m1_value(plane) * lax.broadcast_in_dim(scale, (TILE_N, 16), (0,))
                         a = (ieee.flush_subnormals(v) if mx else v).astype(BF16)
                         if regs:
