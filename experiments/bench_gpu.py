@@ -19,7 +19,8 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     of the samplers of --samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
     bf16 on the same GPU, the same weights); the fraction of the memory roofline (weight + KV bytes read per decode
     step / step time / copy bandwidth); the first call's seconds (compile included) in a fresh process, with an
-    empty and with a filled persistent compilation cache.
+    empty and with a filled persistent compilation cache. Opt-in: the sampler `bf16_scan` (the model with
+    scan_layers=True: does scanning the layers slow the GPU's decode step?) and --first_call_scan (its compile).
 (c) agree: greedy tokens of the w4a16 sampler on each weight-GEMM backend against the xla backend's.
 
 Prints a table per part and one JSON line (`"bench": "gpu"`).
@@ -51,7 +52,9 @@ GEMM_MS = (1, 16, 64, 256)
 # 4-bit GEMM (backend fp4_gemm, kernels/fp4_gemm.py).
 VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a16_fp4gemmreg", "w4a4", "w4a4_fp4gemm")
 # fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
-LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm"}
+LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm", "scan": "xla"}
+# An engine sampler's "scan" layout (e.g. bf16_scan): the model with scan_layers=True (same shapes, its own random
+# init), decoding with its stacked KV cache; the GEMM part has no scan variant.
 TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
 
 
@@ -210,6 +213,8 @@ def bench_engine(args, bw: float) -> list[dict]:
                                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                                           "vocab_size": 1024} if args.small else {}))
         model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
+        scanned = (models.Qwen3(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
+                   if any(s.endswith("_scan") for s in args.samplers) else None)
         params_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         for b in args.batches:
             sides, labels = [], []
@@ -217,7 +222,8 @@ def bench_engine(args, bw: float) -> list[dict]:
                 preset, _, layout = label.partition("_")
                 try:
                     policy = sampler_policy(preset, backend=LAYOUT_BACKENDS[layout])
-                    calls, prompts = _engine_run(model, policy, b, args.prompt_len, args.new_tokens)
+                    calls, prompts = _engine_run(scanned if layout == "scan" else model, policy, b,
+                                                 args.prompt_len, args.new_tokens)
                 except Exception as e:  # recorded as this sampler's error by interleaved
                     calls = [functools.partial(_reraise, e)] * 2
                 sides += calls
@@ -238,7 +244,7 @@ def bench_engine(args, bw: float) -> list[dict]:
                                  "error": errors.get(2 * i, errors.get(2 * i + 1))})
                     continue
                 step = max(t_full - t_one, 1e-9) / (args.new_tokens - 1)
-                wbytes = params_b if label in ("bf16", "hf") else None
+                wbytes = params_b if label in ("bf16", "bf16_scan", "hf") else None
                 row = {"model": name, "batch": b, "sampler": label, "decode_tok_s": b / step, "step_ms": step * 1e3}
                 if wbytes is not None:
                     moved = wbytes + b * mean_ctx * kv_per_tok
@@ -257,7 +263,7 @@ t0 = time.perf_counter()
 from flax import nnx
 from triage_jax import models
 from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
-cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16")
+cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16", scan_layers={scan})
 model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
 policy = sampler_policy("bf16")
 eng = Engine(SamplingConfig(max_new_tokens={new}), EngineConfig(max_slots={b}, max_len={plen} + {new},
@@ -270,14 +276,16 @@ print("FIRST_CALL_S", time.perf_counter() - t1)
 """
 
 
-def first_call(name: str, b: int, plen: int, new: int) -> dict:
-    """The engine's first generate in a fresh process: compile included, with an empty and a filled cache."""
+def first_call(name: str, b: int, plen: int, new: int, scan: bool = False) -> dict:
+    """The engine's first generate in a fresh process: compile included, with an empty and a filled cache (keys
+    cold_s / cached_s; scan_cold_s / scan_cached_s for a scan_layers=True model)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = {}
     with tempfile.TemporaryDirectory() as cache:
-        for label in ("cold", "cached"):
+        for label in ("scan_cold", "scan_cached") if scan else ("cold", "cached"):
             env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-            r = subprocess.run([sys.executable, "-c", FIRST_CALL.format(name=name, b=b, plen=plen, new=new)],
+            code = FIRST_CALL.format(name=name, b=b, plen=plen, new=new, scan=scan)
+            r = subprocess.run([sys.executable, "-c", code],
                                cwd=root, env=env, capture_output=True, text=True, timeout=600)
             line = [x for x in r.stdout.splitlines() if x.startswith("FIRST_CALL_S")]
             out[label + "_s"] = float(line[0].split()[1]) if line else None
@@ -344,6 +352,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--samplers", default="bf16,w4a16,w4a16_int8,w4a16_fp4gemm,w4a4,w4a4_fp4gemm",
                     help="engine samplers, <preset>[_<layout>] as the GEMM variants (bf16 first: the baseline)")
     ap.add_argument("--no_hf", dest="hf", action="store_false")
+    ap.add_argument("--first_call_scan", action="store_true",
+                    help="first_call also for the model with scan_layers=True (its compile time vs unrolled)")
     ap.add_argument("--json", default=None, help="also write the JSON line's object to this file")
     ap.add_argument("--small", action="store_true", help="tiny sizes: a dry run anywhere (numbers meaningless)")
     args = ap.parse_args(argv)
@@ -402,7 +412,10 @@ def main(argv=None) -> dict:
                   f"{r['vs_bf16']:>7.2f} {'-' if rf is None else f'{rf:.0%}':>8}")
     if "first_call" in args.parts:
         name = args.models[-1]
-        fc = first_call(name, args.batches[0], args.prompt_len, args.new_tokens) if not args.small else {}
+        fc = {}
+        for scan in (False, True) if args.first_call_scan else (False,):
+            if not args.small:
+                fc.update(first_call(name, args.batches[0], args.prompt_len, args.new_tokens, scan))
         res["first_call"] = {"model": name, **fc}
         print(f"\nfirst rollout call in a fresh process ({name}): {fc}")
     if "agree" in args.parts:

@@ -19,8 +19,9 @@ SCRIPT = textwrap.dedent("""
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
 
     mesh_shape, slots, precision = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2, num_key_value_heads=int(sys.argv[4])),
-                         rngs=nnx.Rngs(0))
+    scan = sys.argv[5] == "scan"
+    model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2, num_key_value_heads=int(sys.argv[4]),
+                                                 scan_layers=scan), rngs=nnx.Rngs(0))
     policy = None if precision == "none" else sampler.sampler_policy(precision)
     if policy is not None:
         model = sampler.prepare_model(model, policy)  # the trainer's sync: weights quantized once
@@ -40,21 +41,23 @@ SCRIPT = textwrap.dedent("""
         x = getattr(getattr(x, "q", x), "packed", x)  # a QuantizedWeight's 4-bit codes [N, K / 2]
         return [list(x.shape), list(x.addressable_shards[0].data.shape)]
 
-    attn = engine.state["layers"][0]["attn"]
+    attn = engine.state["layers"]["attn"] if scan else engine.state["layers"][0]["attn"]
     kv = engine.last_kv_sharding
+    kv_shape = ((2,) if scan else ()) + (slots, int(sys.argv[4]), 64, 64)  # a stacked cache: [layers, ...]
     print("RESULT", json.dumps({
         "tokens": np.asarray(out.tokens).tolist(), "logp": np.asarray(out.logprobs).tolist(),
         "devices": len(jax.devices()), "slot_devices": len(shards),
         "q_proj": shard_shape(attn["q_proj"]["kernel"].get_value()),
         "o_proj": shard_shape(attn["o_proj"]["kernel"].get_value()),
         "embed": shard_shape(engine.state["embed"]["embedding"].get_value()),
-        "kv_shard": list(kv.shard_shape((slots, int(sys.argv[4]), 64, 64)))}))
+        "kv_shard": list(kv.shard_shape(kv_shape))}))
 """)
 
 
-def _run(mesh: dict, slots: int, devices: int, precision: str = "none", kv_heads: int = 2) -> dict:
+def _run(mesh: dict, slots: int, devices: int, precision: str = "none", kv_heads: int = 2, scan: bool = False) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(mesh), str(slots), precision, str(kv_heads)],
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(mesh), str(slots), precision, str(kv_heads),
+                          "scan" if scan else "loop"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith(("RESULT ", "ERROR ")))
@@ -93,6 +96,22 @@ def test_tensor_parallel_decode_equals_one_device():
     (v, d), shard = tp["embed"]
     assert shard == [v // 2, d]
     assert tp["kv_shard"] == [16 // 4, 1, 64, 64]  # 4 slots and 1 of the 2 KV heads per device
+    np.testing.assert_array_equal(np.asarray(one["tokens"]), np.asarray(tp["tokens"]))
+    np.testing.assert_allclose(np.asarray(one["logp"], np.float32), np.asarray(tp["logp"], np.float32),
+                               rtol=0, atol=4e-6)
+
+
+@pytest.mark.slow  # two subprocesses of compiles (~1 min on 2 cores)
+def test_scanned_model_on_a_tensor_parallel_mesh_equals_one_device():
+    """A scan_layers=True model decodes on a data=4 x tensor=2 mesh: its stacked KV cache [layers, slots, KV heads,
+    S, Dh] is split by slots and KV heads (not by layers: the scan reads every layer on every device), its stacked
+    weights column-parallel like the looped model's, and every request gets the 1-device run's tokens."""
+    one = _run({"data": 1}, 4, 1, scan=True)
+    tp = _run({"data": 4, "tensor": 2}, 16, 8, scan=True)
+    assert tp["slot_devices"] == 8
+    assert tp["kv_shard"] == [2, 16 // 4, 1, 64, 64]
+    (layers, d, n, h), shard = tp["q_proj"]
+    assert shard == [layers, d, n // 2, h]  # [layers, embed, heads, head_dim]: heads split, layers kept whole
     np.testing.assert_array_equal(np.asarray(one["tokens"]), np.asarray(tp["tokens"]))
     np.testing.assert_allclose(np.asarray(one["logp"], np.float32), np.asarray(tp["logp"], np.float32),
                                rtol=0, atol=4e-6)

@@ -1,7 +1,7 @@
 """The rollout engine: continuous batching over a fixed set of decode slots, with sampler log-probs.
 
-A fixed number of slots share one KV cache (`models.kv_cache`: a buffer per layer, [slots, KVH, S, Dh], each
-row filled from slot 0). Requests (G samples of each prompt) wait in a queue; a prompt is prefilled once and its KV
+A fixed number of slots share one KV cache (`models.kv_cache`: per layer [slots, KVH, S, Dh], stacked into one
+array for a scan_layers model, each row filled from slot 0). Requests (G samples of each prompt) wait in a queue; a prompt is prefilled once and its KV
 copied into the slots of its G samples; a finished sequence frees its slot and the next waiting sample takes it.
 The decode loop runs `steps_per_round` tokens per host round trip, one compiled program per (slots, capacity); the
 capacity follows the longest sequence held (a power of two, >= 64), so attention costs what the slots hold, not
@@ -251,9 +251,7 @@ def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key
     def copy(buf_sksh, pre_bksh):
         return kvc.copy_rows(buf_sksh, pre_bksh, slot_m, row_m)
 
-    cache = slots.cache.replace(
-        k=tuple(copy(b, q) for b, q in zip(slots.cache.k, pre.k)),
-        v=tuple(copy(b, q) for b, q in zip(slots.cache.v, pre.v)),
+    cache = kvc.map_layers(copy, slots.cache, pre).replace(
         k_scale=pre.k_scale, v_scale=pre.v_scale,
         lengths=slots.cache.lengths.at[slot_m].set(pre.lengths[row_m], mode="drop"))
     tok_m, logp_m = _draw(logits_pv[row_m], _token_keys(key, req_m, jnp.zeros_like(req_m)), top_p, st)
@@ -326,8 +324,7 @@ def _take_slots(slots: Slots, slot_k) -> Slots:
     def take(x):
         return None if x is None else jnp.take(x, slot_k, axis=0)
 
-    cache = slots.cache.replace(k=tuple(map(take, slots.cache.k)), v=tuple(map(take, slots.cache.v)),
-                                lengths=take(slots.cache.lengths))
+    cache = kvc.map_layers(take, slots.cache).replace(lengths=take(slots.cache.lengths))
     return slots.replace(cache=cache, tok=take(slots.tok), active=take(slots.active), req=take(slots.req),
                          n_gen=take(slots.n_gen), out_tok=take(slots.out_tok), out_logp=take(slots.out_logp),
                          out_exp=take(slots.out_exp))
@@ -452,7 +449,11 @@ class Engine:
         s = slots.tok.shape[0]
         out = jax.tree.map(lambda x: shd.batch_sharding(self.mesh, x.ndim, self.rules) if x.ndim and x.shape[0] == s
                            else shd.replicated(self.mesh), slots)
-        kv = NamedSharding(self.mesh, shd.logical_to_mesh((BATCH, HEADS, LENGTH, KV), self.rules, self.mesh))
+        names = (BATCH, HEADS, LENGTH, KV)
+        if slots.cache.stacked:
+            kv = NamedSharding(self.mesh, shd.logical_to_mesh((None, *names), self.rules, self.mesh))
+            return out.replace(cache=out.cache.replace(k=kv, v=kv))
+        kv = NamedSharding(self.mesh, shd.logical_to_mesh(names, self.rules, self.mesh))
         return out.replace(cache=out.cache.replace(k=tuple(kv for _ in out.cache.k), v=tuple(kv for _ in out.cache.v)))
 
     def state_shardings(self, state):
@@ -595,8 +596,9 @@ class Engine:
             if c.continuous and not waiting and not pending:
                 slots, owner, host_len = self._compacted(slots, owner, host_len)
                 free = [j for j in range(slots.tok.shape[0]) if j not in owner]
-        self.last_slot_devices = slots.cache.k[0].devices()
-        self.last_kv_sharding = slots.cache.k[0].sharding  # after the last round: split by slots (and heads)
+        first_kv = jax.tree.leaves(slots.cache.k)[0]
+        self.last_slot_devices = first_kv.devices()
+        self.last_kv_sharding = first_kv.sharding  # after the last round: split by slots (and heads)
         mask = np.arange(r)[None, :] < out_len[:, None]
         p = int(lens.max())
         ids = np.full((num, p), self.pad_id, np.int32)

@@ -35,9 +35,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, mask_bts: jax.Array | None,
                  policy: PrecisionPolicy | None = None, *, cache: kvc.KVCache | None = None,
-                 slot_bt: jax.Array | None = None, new_mask_bt: jax.Array | None = None):
+                 slot_bt: jax.Array | None = None, new_mask_bt: jax.Array | None = None, layer_index=None):
         """Self-attention over the T new tokens (no cache), or, with a cache, over each row's cached slots after
-        writing the new tokens to slots slot_bt (their rows' next free slots).
+        writing the new tokens to slots slot_bt (their rows' next free slots), in the cache's layer `layer_index`
+        (default: this module's layer; a traced index when scanned layers share one module).
 
         mask_bts: bool [B, T, S] (no cache only), True where query t may attend to key s.
         Returns y_btd, or (y_btd, cache) when a cache is given.
@@ -48,16 +49,11 @@ class Attention(nnx.Module):
         v_btkh = self.v_proj(x_btd, policy)
         q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
         if cache is not None:
-            i, hr = self.layer, cache.fp8_headroom
-            k_buf, k_scale = kvc.write_slots(cache.k[i], cache.k_scale[i], k_btkh, new_mask_bt, slot_bt, hr)
-            v_buf, v_scale = kvc.write_slots(cache.v[i], cache.v_scale[i], v_btkh, new_mask_bt, slot_bt, hr)
-            cache = cache.replace(k=cache.k[:i] + (k_buf,) + cache.k[i + 1:],
-                                  v=cache.v[:i] + (v_buf,) + cache.v[i + 1:])
-            if cache.is_fp8:  # only FP8 sets a scale (at the first write); storing the others' 1.0 again would
-                # cost the decode step two small kernels a layer
-                cache = cache.replace(k_scale=cache.k_scale.at[i].set(k_scale),
-                                      v_scale=cache.v_scale.at[i].set(v_scale))
-            k_bksh, v_bksh = kvc.read(k_buf, k_scale, q_btnh.dtype), kvc.read(v_buf, v_scale, q_btnh.dtype)
+            i = self.layer if layer_index is None else layer_index
+            cache = cache.write(i, k_btkh, v_btkh, new_mask_bt, slot_bt)
+            k_buf, v_buf = cache.layer(i)
+            k_bksh = kvc.read(k_buf, cache.k_scale[i], q_btnh.dtype)
+            v_bksh = kvc.read(v_buf, cache.v_scale[i], q_btnh.dtype)
             if exact:
                 visible_bts = jnp.arange(k_bksh.shape[2], dtype=jnp.int32)[None, None, :] <= slot_bt[:, :, None]
                 out_btnh = invariant.attention(q_btnh, k_bksh, v_bksh, visible_bts, self.head_dim**-0.5)

@@ -1,9 +1,12 @@
-"""KV cache for decoding: one buffer per layer, [B, KVH, S, Dh], rows filled from slot 0, and per-row lengths.
+"""KV cache for decoding: per layer [B, KVH, S, Dh] keys and values, rows filled from slot 0, and per-row lengths.
 
-Layout: each layer's keys and values are their own buffer (a loop-carried tuple updates every buffer in place;
-slicing a layer out of one stacked [L, ...] array copies it every step), and heads come before slots, the layout
-the attention contractions read directly (a free reshape into 64-slot blocks, 'bkqh,bknch->bknqc' and
-'bknqc,bkncd->bknqd'): no per-step transpose of the cache.
+Layout: heads come before slots, the layout the attention contractions read directly (a free reshape into 64-slot
+blocks, 'bkqh,bknch->bknqc' and 'bknqc,bkncd->bknqd'): no per-step transpose of the cache. The layers' buffers are
+either a tuple of L arrays (unrolled models: each layer updates its own buffer in place, and reads it without a
+copy) or one stacked [L, B, KVH, S, Dh] array (`stacked=True`, the default for scan_layers models: the scan
+carries it, writes each layer's new tokens into it in place and reads layer i as a dynamic slice; a tuple would
+have to be stacked and unstacked around the scan, two copies of the whole cache per step). Both forms hold the
+same values and work with either model; `map_layers` applies a per-layer function to either.
 
 Rows hold their tokens at slots [0, lengths[b]); new tokens go to slots lengths[b] + t (a scatter, so every row
 can sit at its own position: the rollout engine's slots). Bad or pad tokens of a write (mask 0) must come after
@@ -33,35 +36,65 @@ BLOCK = 64  # cache capacity granule: attention reduces over fixed 64-slot block
 
 @struct.dataclass
 class KVCache:
-    """k, v: per-layer tuples of [B, KVH, S, Dh]; k_scale, v_scale: float32 [L] (1.0 unless fp8); lengths: [B]."""
+    """k, v: per-layer tuples of [B, KVH, S, Dh] or stacked [L, B, KVH, S, Dh] arrays; k_scale, v_scale: float32
+    [L] (1.0 unless fp8); lengths: [B]."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     k_scale: jax.Array
     v_scale: jax.Array
     lengths: jax.Array  # int32 [B]: tokens each row holds (at slots [0, lengths))
     fp8_headroom: float = struct.field(pytree_node=False, default=2.0)
 
     @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    @property
     def is_fp8(self) -> bool:
-        return self.k[0].dtype == FP8
+        return self.k.dtype == FP8 if self.stacked else self.k[0].dtype == FP8
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return jax.tree.leaves(self.k)[0].shape[-2]
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return jax.tree.leaves(self.k)[0].shape[-4]
 
     @property
     def num_layers(self) -> int:
         return len(self.k)
 
+    def layer(self, i) -> tuple[jax.Array, jax.Array]:
+        """Layer i's (keys, values) buffers [B, KVH, S, Dh]; i may be traced when the cache is stacked."""
+        if self.stacked:
+            return (jax.lax.dynamic_index_in_dim(self.k, i, keepdims=False),
+                    jax.lax.dynamic_index_in_dim(self.v, i, keepdims=False))
+        return self.k[i], self.v[i]
+
+    def write(self, i, k_btkh: jax.Array, v_btkh: jax.Array, mask_bt: jax.Array, slot_bt: jax.Array) -> KVCache:
+        """The cache with layer i's T new keys and values at slots slot_bt[b, t] of row b (see `write_slots`); i may
+        be traced when the cache is stacked (a scatter into the stacked buffer: no copy of the layer)."""
+        hr, ks, vs = self.fp8_headroom, self.k_scale[i], self.v_scale[i]
+        if self.stacked:
+            k, ks = write_slots(self.k, ks, k_btkh, mask_bt, slot_bt, hr, layer=i)
+            v, vs = write_slots(self.v, vs, v_btkh, mask_bt, slot_bt, hr, layer=i)
+        else:
+            kb, ks = write_slots(self.k[i], ks, k_btkh, mask_bt, slot_bt, hr)
+            vb, vs = write_slots(self.v[i], vs, v_btkh, mask_bt, slot_bt, hr)
+            k, v = self.k[:i] + (kb,) + self.k[i + 1:], self.v[:i] + (vb,) + self.v[i + 1:]
+        out = self.replace(k=k, v=v)
+        if self.is_fp8:  # only FP8 sets a scale (at the first write); storing the others' 1.0 again would cost the
+            # decode step two small kernels a layer
+            out = out.replace(k_scale=self.k_scale.at[i].set(ks), v_scale=self.v_scale.at[i].set(vs))
+        return out
+
 
 def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str = "bf16", dtype=None,
-                  fp8_scale: float | None = None, fp8_headroom: float = 2.0) -> KVCache:
-    """An empty cache. kv_format "bf16" stores `dtype` (default bfloat16; "f32" or dtype=float32 for exact tests)."""
+                  fp8_scale: float | None = None, fp8_headroom: float = 2.0, stacked: bool | None = None) -> KVCache:
+    """An empty cache. kv_format "bf16" stores `dtype` (default bfloat16; "f32" or dtype=float32 for exact tests);
+    stacked (default: cfg.scan_layers) stores the layers as one [L, ...] array."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"init_kv_cache: kv_format={kv_format!r}; expected one of {KV_FORMATS}")
     if batch <= 0 or max_len <= 0:
@@ -77,9 +110,32 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str 
     shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     layers = cfg.num_hidden_layers
     scales = jnp.full((layers,), scale0, F32)
-    return KVCache(k=tuple(jnp.zeros(shape, store) for _ in range(layers)),
-                   v=tuple(jnp.zeros(shape, store) for _ in range(layers)), k_scale=scales, v_scale=scales,
-                   lengths=jnp.zeros((batch,), jnp.int32), fp8_headroom=float(fp8_headroom))
+    if cfg.scan_layers if stacked is None else stacked:
+        k, v = (jnp.zeros((layers, *shape), store) for _ in "kv")  # two buffers (the engine donates both)
+    else:
+        k, v = (tuple(jnp.zeros(shape, store) for _ in range(layers)) for _ in "kv")
+    return KVCache(k=k, v=v, k_scale=scales, v_scale=scales, lengths=jnp.zeros((batch,), jnp.int32),
+                   fp8_headroom=float(fp8_headroom))
+
+
+def map_layers(fn, cache: KVCache, *others: KVCache) -> KVCache:
+    """`cache` with each layer's key and value buffers replaced by fn(buffer, the other caches' same buffers...),
+    fn written for one layer's [B, KVH, S, Dh] (vmapped over a stacked cache's layers)."""
+    if cache.stacked:
+        f = jax.vmap(fn)
+        return cache.replace(k=f(cache.k, *(o.k for o in others)), v=f(cache.v, *(o.v for o in others)))
+    return cache.replace(k=tuple(map(fn, cache.k, *(o.k for o in others))),
+                         v=tuple(map(fn, cache.v, *(o.v for o in others))))
+
+
+def stack(cache: KVCache) -> KVCache:
+    """The same cache in the stacked form (a copy unless it is stacked already)."""
+    return cache if cache.stacked else cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
+
+
+def unstack(cache: KVCache) -> KVCache:
+    """The same cache as a tuple of per-layer buffers (a copy unless it is one already)."""
+    return cache.replace(k=tuple(cache.k), v=tuple(cache.v)) if cache.stacked else cache
 
 
 def fp8_write_scale(current: jax.Array, x_btkh: jax.Array, mask_bt: jax.Array, headroom: float) -> jax.Array:
@@ -95,8 +151,10 @@ def quantize_fp8_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask_bt: jax.Array,
-                slot_bt: jax.Array, headroom: float) -> tuple[jax.Array, jax.Array]:
+                slot_bt: jax.Array, headroom: float, layer=None) -> tuple[jax.Array, jax.Array]:
     """Write the T new keys (or values) of one layer to slots slot_bt[b, t] of row b; returns (buffer, scale).
+    With `layer` (an int or a traced scalar), buf is a stacked [L, B, KVH, S, Dh] buffer and the write goes to
+    that layer.
 
     Pad tokens (mask 0) are written too (harmless: they sit at or past the row's new length, which they do not
     advance); a slot past the capacity is dropped.
@@ -106,9 +164,11 @@ def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask
         stored = quantize_fp8_kv(new_btkh, scale)
     else:
         stored = new_btkh.astype(buf_bksh.dtype)
-    rows_b1 = jnp.arange(buf_bksh.shape[0], dtype=jnp.int32)[:, None]
-    # Advanced indices (rows, slots) around the head slice: the update is indexed [B, T, KVH, Dh], as new_btkh is.
-    return scatter_set(buf_bksh, (rows_b1, slice(None), slot_bt), stored), scale
+    rows_b1 = jnp.arange(buf_bksh.shape[-4], dtype=jnp.int32)[:, None]
+    # Advanced indices (rows, slots) around the head slice: the update is indexed [B, T, KVH, Dh], as new_btkh is
+    # (a layer index in front is one more advanced index, broadcast: the same update shape).
+    index = (rows_b1, slice(None), slot_bt) if layer is None else (layer, rows_b1, slice(None), slot_bt)
+    return scatter_set(buf_bksh, index, stored), scale
 
 
 def scatter_set(buf: jax.Array, index, values: jax.Array) -> jax.Array:
@@ -141,7 +201,7 @@ def resize(cache: KVCache, max_len: int) -> KVCache:
             return jnp.pad(x, ((0, 0), (0, 0), (0, max_len - s), (0, 0)))
         return x[:, :, :max_len]
 
-    return cache.replace(k=tuple(fit(x) for x in cache.k), v=tuple(fit(x) for x in cache.v))
+    return map_layers(fit, cache)
 
 
 def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_slot_bt: jax.Array,

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triage_jax.models import invariant
+from triage_jax.models import kv_cache as kvc
 from triage_jax.models.attention import Attention, causal_padding_mask
 from triage_jax.models.config import ModelConfig
 from triage_jax.models.layers import (
@@ -44,15 +45,16 @@ class DecoderLayer(nnx.Module):
             self.moe, self.mlp = None, MLP(cfg, layer, rngs=rngs)
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, token_mask_bt, policy=None, *, cache=None,
-                 slot_bt=None, replay_btk=None):
+                 slot_bt=None, replay_btk=None, layer_index=None):
         """Pre-norm attention and FFN residual blocks -> (x_btd, RouterStats | None, experts_btk | None,
-        cache | None); replay_btk: expert ids to replay in the MoE block (models.moe.route)."""
+        cache | None); replay_btk: expert ids to replay in the MoE block (models.moe.route); layer_index: the
+        cache layer to use (default: this layer's; traced under scan)."""
         h_btd = self.input_norm(x_btd, policy)
         if cache is None:
             a_btd = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy)
         else:
             a_btd, cache = self.attn(h_btd, cos_bth, sin_bth, mask_bts, policy, cache=cache, slot_bt=slot_bt,
-                                     new_mask_bt=token_mask_bt)
+                                     new_mask_bt=token_mask_bt, layer_index=layer_index)
         x_btd = x_btd + a_btd
         h_btd = self.post_attention_norm(x_btd, policy)
         stats = experts_btk = None
@@ -254,16 +256,18 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
         return x_btd, st, ex, None
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-    def step_cached(x_btd, layer, kv):
-        # A one-layer view of the cache (the scanned attention modules all have layer index 0).
-        one = cache.replace(k=(kv[0],), v=(kv[1],), k_scale=kv[2][None], v_scale=kv[3][None])
-        x_btd, st, ex, one = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=one, slot_bt=slot_bt)
-        return x_btd, ((st, ex), (one.k[0], one.v[0], one.k_scale[0], one.v_scale[0]))
+    def step_cached(carry, layer, i):
+        # The stacked cache rides in the carry: layer i writes its new tokens into it in place and reads its slice.
+        x_btd, cache = carry
+        x_btd, st, ex, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
+                                     slot_bt=slot_bt, layer_index=i)
+        return (x_btd, cache), (st, ex)
 
-    # Scanning needs the layers stacked (a copy per call: the trainer's sampler runs the layers unrolled).
-    xs = (jnp.stack(cache.k), jnp.stack(cache.v), cache.k_scale, cache.v_scale)
-    x_btd, ((st, ex), (k, v, ks, vs)) = step_cached(x_btd, layers, xs)
-    return x_btd, st, ex, cache.replace(k=tuple(k), v=tuple(v), k_scale=ks, v_scale=vs)
+    # A tuple cache is stacked for the scan and unstacked after it (two copies of it per call; the engine gives a
+    # scanned model a stacked cache).
+    layer_l = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+    (x_btd, out), (st, ex) = step_cached((x_btd, kvc.stack(cache)), layers, layer_l)
+    return x_btd, st, ex, (out if cache.stacked else kvc.unstack(out))
 
 
 def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
