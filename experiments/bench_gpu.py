@@ -19,8 +19,10 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     of the samplers of --samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
     bf16 on the same GPU, the same weights); the fraction of the memory roofline (weight + KV bytes read per decode
     step / step time / copy bandwidth); the first call's seconds (compile included) in a fresh process, with an
-    empty and with a filled persistent compilation cache. Opt-in: the sampler `bf16_scan` (the model with
-    scan_layers=True: does scanning the layers slow the GPU's decode step?) and --first_call_scan (its compile).
+    empty and with a filled persistent compilation cache. Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the
+    engine compiled with command buffers over its decode loop too / with none: is the step launch-bound, and do
+    CUDA graphs fix it?), `bf16_scan` (the model with scan_layers=True: does scanning the layers slow the GPU's
+    decode step?) and --first_call_scan (its compile).
 (c) agree: greedy tokens of the w4a16 sampler on each weight-GEMM backend against the xla backend's.
 
 Prints a table per part and one JSON line (`"bench": "gpu"`).
@@ -52,9 +54,18 @@ GEMM_MS = (1, 16, 64, 256)
 # 4-bit GEMM (backend fp4_gemm, kernels/fp4_gemm.py).
 VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a16_fp4gemmreg", "w4a4", "w4a4_fp4gemm")
 # fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
-LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm", "scan": "xla"}
-# An engine sampler's "scan" layout (e.g. bf16_scan): the model with scan_layers=True (same shapes, its own random
-# init), decoding with its stacked KV cache; the GEMM part has no scan variant.
+LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm", "scan": "xla",
+                   "cbwhile": "xla", "nocb": "xla"}
+# Engine-only layouts (the GEMM part has none of them): "scan" (e.g. bf16_scan) = the model with scan_layers=True
+# (same shapes, its own random init), decoding with its stacked KV cache; "cbwhile" / "nocb" = the engine's
+# programs compiled with XLA's command buffers (CUDA graphs) also over while loops and conditionals, so a decode
+# round runs as one graph with no host round trip per step / with no command buffers at all (EngineConfig
+# .xla_options; XLA's default puts fusions and GEMMs in command buffers but not loops).
+ENGINE_XLA_OPTIONS = {
+    "cbwhile": (("xla_gpu_enable_command_buffer",
+                 "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),),
+    "nocb": (("xla_gpu_enable_command_buffer", ""),),
+}
 TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
 
 
@@ -163,7 +174,7 @@ def bench_gemm(args, bw: float) -> list[dict]:
     return rows
 
 
-def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int):
+def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int, xla_options: tuple = ()):
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model
 
     rng = np.random.default_rng(0)
@@ -172,8 +183,8 @@ def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int):
     calls = []
     for tokens in (new_tokens, 1):
         eng = Engine(SamplingConfig(max_new_tokens=tokens), EngineConfig(
-            max_slots=batch, max_len=prompt_len + new_tokens, max_prompt_len=prompt_len, prefill_batch=batch),
-            policy=policy, model=prepared)
+            max_slots=batch, max_len=prompt_len + new_tokens, max_prompt_len=prompt_len, prefill_batch=batch,
+            xla_options=xla_options), policy=policy, model=prepared)
         calls.append(lambda e=eng: e.generate(prompts, jax.random.key(0)).tokens)
     return calls, prompts
 
@@ -223,7 +234,8 @@ def bench_engine(args, bw: float) -> list[dict]:
                 try:
                     policy = sampler_policy(preset, backend=LAYOUT_BACKENDS[layout])
                     calls, prompts = _engine_run(scanned if layout == "scan" else model, policy, b,
-                                                 args.prompt_len, args.new_tokens)
+                                                 args.prompt_len, args.new_tokens,
+                                                 ENGINE_XLA_OPTIONS.get(layout, ()))
                 except Exception as e:  # recorded as this sampler's error by interleaved
                     calls = [functools.partial(_reraise, e)] * 2
                 sides += calls
@@ -244,7 +256,7 @@ def bench_engine(args, bw: float) -> list[dict]:
                                  "error": errors.get(2 * i, errors.get(2 * i + 1))})
                     continue
                 step = max(t_full - t_one, 1e-9) / (args.new_tokens - 1)
-                wbytes = params_b if label in ("bf16", "bf16_scan", "hf") else None
+                wbytes = params_b if label.split("_")[0] == "bf16" or label == "hf" else None
                 row = {"model": name, "batch": b, "sampler": label, "decode_tok_s": b / step, "step_ms": step * 1e3}
                 if wbytes is not None:
                     moved = wbytes + b * mean_ctx * kv_per_tok
@@ -252,9 +264,20 @@ def bench_engine(args, bw: float) -> list[dict]:
                 rows.append(row)
             base = next(r for r in rows if r["model"] == name and r["batch"] == b and r["sampler"] == "bf16")
             for r in rows:
-                if r["model"] == name and r["batch"] == b and "error" not in r:
-                    r["vs_bf16"] = r["decode_tok_s"] / base["decode_tok_s"]
+                if r["model"] == name and r["batch"] == b:
+                    if "error" not in r:
+                        r["vs_bf16"] = r["decode_tok_s"] / base["decode_tok_s"]
+                    _print_engine_row(r)  # as measured: a time limit on the run keeps the batches done
     return rows
+
+
+def _print_engine_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>12} FAILED {r['error']}", flush=True)
+        return
+    rf = r.get("roofline_frac")
+    print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>12} {r['decode_tok_s']:>9.0f} {r['step_ms']:>8.2f} "
+          f"{r['vs_bf16']:>7.2f} {'-' if rf is None else f'{rf:.0%}':>8}", flush=True)
 
 
 FIRST_CALL = """
@@ -399,17 +422,10 @@ def main(argv=None) -> dict:
             "w4a4_2x_at_m_le_16": met("w4a4", (1, 16), TARGETS["w4a4_m16"])}
         print(f"best layouts: {res['gemm_best']}; targets: {res['gemm_targets']}")
     if "engine" in args.parts:
-        rows = bench_engine(args, bw)
-        res["engine"] = rows
         print(f"\n(b) engine decode, prompt {args.prompt_len}, {args.new_tokens} new tokens, random init, bf16")
-        print(f"{'model':>12} {'batch':>5} {'sampler':>10} {'tok/s':>9} {'ms/step':>8} {'x bf16':>7} {'roofline':>8}")
-        for r in rows:
-            if "error" in r:
-                print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>10} FAILED {r['error']}")
-                continue
-            rf = r.get("roofline_frac")
-            print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>10} {r['decode_tok_s']:>9.0f} {r['step_ms']:>8.2f} "
-                  f"{r['vs_bf16']:>7.2f} {'-' if rf is None else f'{rf:.0%}':>8}")
+        print(f"{'model':>12} {'batch':>5} {'sampler':>12} {'tok/s':>9} {'ms/step':>8} {'x bf16':>7} {'roofline':>8}",
+              flush=True)
+        res["engine"] = bench_engine(args, bw)
     if "first_call" in args.parts:
         name = args.models[-1]
         fc = {}

@@ -75,6 +75,9 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("learner.rules", ("last:9=bf16",), "learner.rules.*layer count in 1..4"),  # the tiny preset has 4
         ("sampler.rules", ("(unclosed=bf16",), "sampler.rules.*bad regex"),
         ("model.num_hidden_layers", -1, "model.num_hidden_layers"),
+        ("sampler.xla_options", ("xla_gpu_enable_command_buffer",), "sampler.xla_options.*not NAME=VALUE"),
+        ("sampler.xla_options", ("xla_gpu_enable_comand_buffer=FUSION",), "sampler.xla_options.*comand"),
+        ("sampler.xla_options", ("xla_gpu_enable_command_buffer=+WHILE",), "sampler.xla_options.*WHILE"),
     ],
 )
 def test_bad_values_name_the_key(key, value, match):
@@ -256,3 +259,17 @@ def test_sampler_act_scaling_reaches_every_quantized_layer_of_the_sampler():
     sp = build.sampler_policy(c)
     for layer in ("layers.0.mlp.up_proj", "layers.3.self_attn.o_proj", "lm_head"):
         assert sp.for_layer(layer).act == "nvfp4" and sp.for_layer(layer).act_scaling == "tensor", layer
+
+
+def test_sampler_xla_options_reach_the_engine_typed():
+    """"NAME=VALUE" strings become the engine's (name, value) pairs, booleans and numbers typed, lists kept."""
+    from triage_jax import build
+    from triage_jax.config import load_config
+
+    c = load_config("configs/tiny.py")
+    c.sampler.xla_options = ("xla_gpu_enable_command_buffer=FUSION,WHILE", "xla_cpu_enable_fast_math=false",
+                             "xla_gpu_graph_min_graph_size=2")
+    validate(c)
+    assert build.engine_config(c).xla_options == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"),
+                                                  ("xla_cpu_enable_fast_math", False),
+                                                  ("xla_gpu_graph_min_graph_size", 2))

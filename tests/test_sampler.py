@@ -208,3 +208,27 @@ def test_length_buckets_reuse_compiled_programs(model):
              key=jax.random.key(1), pad_id=PAD)
     assert [f._cache_size() for f in (smp._prefill, smp._insert, smp._decode_round)] == sizes
     assert smp.bucket_length(3) == 64 and smp.bucket_length(65) == 128 and smp.bucket_length(64) == 64
+
+
+def test_xla_options_reach_the_engine_programs_and_keep_the_tokens(model, tmp_path):
+    """EngineConfig.xla_options compile the engine's programs with those options (here `xla_dump_to`, whose dumps
+    show that the decode round was compiled with them) and leave the numbers alone (a GPU option, which a CPU
+    ignores); a misspelt option fails at construction, naming the option."""
+    from triage_jax.sampler import Engine, EngineConfig
+
+    cfg = SamplingConfig(max_new_tokens=5, greedy=True)
+    opts = (("xla_dump_to", str(tmp_path)), ("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,WHILE,CONDITIONAL"))
+
+    def run(xla_options):
+        eng = Engine(cfg, EngineConfig(max_slots=4, max_len=32, xla_options=xla_options), model=model, pad_id=PAD)
+        return eng.generate(PROMPTS, jax.random.key(0))
+
+    plain, tuned = run(()), run(opts)
+    np.testing.assert_array_equal(np.asarray(tuned.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(tuned.logprobs), np.asarray(plain.logprobs))
+    dumped = " ".join(p.name for p in tmp_path.iterdir())
+    assert "_decode_round" in dumped and "_prefill" in dumped and "_insert" in dumped
+    with pytest.raises(ValueError, match="xla_gpu_enable_comand_buffer"):
+        EngineConfig(max_slots=4, max_len=32, xla_options=(("xla_gpu_enable_comand_buffer", "FUSION"),))
+    with pytest.raises(ValueError, match="not a .name, value. pair"):
+        EngineConfig(max_slots=4, max_len=32, xla_options=("xla_dump_to=/tmp",))

@@ -16,7 +16,7 @@ from flax import nnx
 
 from triage_jax import checkpoint as ckpt_lib
 from triage_jax import models
-from triage_jax.config import num_layers, tokenizer_path
+from triage_jax.config import num_layers, tokenizer_path, xla_options
 from triage_jax.data.sources import load_dapo_math
 from triage_jax.data.synthetic import SyntheticMathSource, held_out_source
 from triage_jax.data.tokenizers import load_tokenizer, task_bpe_tokenizer
@@ -135,7 +135,8 @@ def engine_config(c: ml_collections.ConfigDict):
     slots = c.sampler.max_slots or c.rl.num_prompts * c.rl.group_size
     return EngineConfig(max_slots=slots, max_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens,
                         steps_per_round=c.sampler.steps_per_round, prefill_batch=c.sampler.prefill_batch,
-                        max_prompt_len=c.sampler.max_prompt_len, compact_tail=c.sampler.compact_tail)
+                        max_prompt_len=c.sampler.max_prompt_len, compact_tail=c.sampler.compact_tail,
+                        xla_options=xla_options(c))
 
 
 def triage(c: ml_collections.ConfigDict) -> TriageConfig:

@@ -114,6 +114,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Per-layer precision rules ahead of sampler.precision (quant.policy.parse_rule: "REGEX=PRESET" on module paths,
     # "last:K=PRESET" / "first:K=PRESET" for decoder layers), e.g. ("lm_head$=w4a4",) quantizes the LM head too.
     c.sampler.rules = ()
+    # XLA compiler options for the rollout engine's programs only, "NAME=VALUE" strings (sampler.EngineConfig
+    # .xla_options; values true / false / numbers are typed), e.g.
+    # ("xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",).
+    c.sampler.xla_options = ()
 
     c.learner = ml_collections.ConfigDict()
     c.learner.precision = "bf16"
@@ -265,6 +269,12 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             _fail(key, f"must be >= 1, got {c[sect][name]}")
     if int(c.sampler.compact_tail) == 1 or int(c.sampler.compact_tail) < 0:
         _fail("sampler.compact_tail", f"must be 0 (never) or >= 2, got {c.sampler.compact_tail}")
+    try:
+        from triage_jax.sampler import check_xla_options
+
+        check_xla_options(xla_options(c))
+    except ValueError as e:
+        _fail("sampler.xla_options", str(e))
     for name in ("data", "fsdp", "tensor", "expert"):
         if int(c.mesh[name]) < 1:
             _fail(f"mesh.{name}", f"must be >= 1, got {c.mesh[name]}")
@@ -414,6 +424,32 @@ def _check_monitor(c: ml_collections.ConfigDict) -> None:
         if c.rl.correction != "none":
             _fail("monitor.action", f"'enable_correction' switches a correction on, but rl.correction="
                   f"{c.rl.correction!r} is already on (set --config.rl.correction=none)")
+
+
+def xla_options(c: ml_collections.ConfigDict) -> tuple:
+    """sampler.xla_options ("NAME=VALUE" strings) as EngineConfig's (name, value) pairs: true / false become
+    booleans and integers / floats numbers, anything else stays a string (e.g. a comma list of enum values)."""
+    items = c.sampler.xla_options
+    if isinstance(items, str):
+        items = (items,)
+    pairs = []
+    for item in items:
+        name, eq, value = str(item).partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"{item!r} is not NAME=VALUE")
+        value = value.strip()
+        typed: object = value
+        if value.lower() in ("true", "false"):
+            typed = value.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    typed = kind(value)
+                    break
+                except ValueError:
+                    pass
+        pairs.append((name.strip(), typed))
+    return tuple(pairs)
 
 
 def flatten(c, prefix: str = "") -> dict:

@@ -222,7 +222,49 @@ def _empty_slots(model_cfg, slots: int, capacity: int, st: _Static, kv_format: s
                  out_exp=out_exp)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "capacity", "kv_format", "record_routing"))
+class _Program:
+    """One of the engine's compiled programs: `jax.jit(fn, **jit_kw)`, and per set of XLA compiler options
+    (`EngineConfig.xla_options`) its own jit of fn with them (each its own compilation cache)."""
+
+    def __init__(self, fn, **jit_kw):
+        self.fn, self.jit_kw = fn, jit_kw
+        self._jitted = {(): jax.jit(fn, **jit_kw)}
+        functools.update_wrapper(self, fn)
+
+    def with_options(self, options: tuple = ()):
+        if options not in self._jitted:
+            self._jitted[options] = jax.jit(self.fn, **self.jit_kw, compiler_options=dict(options))
+        return self._jitted[options]
+
+    def __call__(self, *args, **kw):
+        return self._jitted[()](*args, **kw)
+
+    def __getattr__(self, name):  # lower, eval_shape, _cache_size, ... of the default program
+        return getattr(self._jitted[()], name)
+
+
+def _program(**jit_kw):
+    return lambda fn: _Program(fn, **jit_kw)
+
+
+def check_xla_options(options: tuple) -> tuple:
+    """EngineConfig.xla_options as a tuple of (name, value) pairs, each checked by compiling a trivial program with
+    it (milliseconds), so a misspelt option or a bad value fails at construction, not at the first rollout's
+    compile. XLA takes the options of every backend anywhere (a GPU option is accepted, and ignored, on a CPU)."""
+    pairs = []
+    for item in options:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"EngineConfig.xla_options: {item!r} is not a (name, value) pair")
+        pairs.append((item[0], item[1]))
+    if pairs:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=dict(pairs)).lower(jnp.int32(0)).compile()
+        except Exception as e:
+            raise ValueError(f"EngineConfig.xla_options={tuple(pairs)!r}: XLA refuses them: {e}") from None
+    return tuple(pairs)
+
+
+@_program(static_argnames=("graphdef", "policy", "capacity", "kv_format", "record_routing"))
 def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *, policy, capacity, kv_format,
              record_routing=False):
     """Right-padded prompts [PB, Pb] into a fresh cache of `capacity` slots (a multiple of 64, >= Pb; the
@@ -244,7 +286,7 @@ def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *,
     return cache, lm_head_logits(h_bd, model.lm_head_kernel(), policy, temperature), experts
 
 
-@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("slots",))
+@_program(static_argnames=("st",), donate_argnames=("slots",))
 def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key, top_p, stop_s, *, st: _Static):
     """Copy prefilled prompt rows row_m into slots slot_m (slot index >= S: unused entry) and draw each sample's
     first token from its prompt's logits."""
@@ -268,7 +310,7 @@ def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key
                                                          jnp.float32).at[:, 0].set(logp_m), mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "policy", "st", "steps"), donate_argnames=("slots",))
+@_program(static_argnames=("graphdef", "policy", "st", "steps"), donate_argnames=("slots",))
 def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s, *, policy, st: _Static,
                   steps: int):
     """Up to `steps` decode steps of every active slot (fewer when all are done): feed each slot's last token,
@@ -353,6 +395,11 @@ class EngineConfig:
     # The longest prompt expected (0: not known): prompts are prefilled at least at its power-of-two bucket
     # (>= MIN_PROMPT_BUCKET), else at least MIN_BUCKET columns wide.
     max_prompt_len: int = 0
+    # XLA compiler options for the engine's programs (prefill, insert, decode round), as (name, value) pairs, e.g.
+    # (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"),) to run
+    # the decode loop as one CUDA graph; per program, so the learner's programs and the user's XLA_FLAGS are
+    # untouched. Checked at construction (`check_xla_options`).
+    xla_options: tuple = ()
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
@@ -362,6 +409,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.compact_tail must be 0 (never) or >= 2, got {self.compact_tail}")
         if self.max_prompt_len < 0:
             raise ValueError(f"EngineConfig.max_prompt_len must be >= 0 (0: not known), got {self.max_prompt_len}")
+        object.__setattr__(self, "xla_options", check_xla_options(tuple(self.xla_options)))
 
 
 class Engine:
@@ -562,16 +610,18 @@ class Engine:
                     req_m = np.zeros(m_bucket, np.int32)
                     for m, (slot, row, req) in enumerate(items):
                         slot_m[m], row_m[m], req_m[m] = slot, row, req
-                    slots = _insert(slots, pre[0], pre[1], jnp.asarray(slot_m), jnp.asarray(row_m),
-                                    jnp.asarray(req_m), key, top_p, stop_s, st=st)
+                    slots = _insert.with_options(c.xla_options)(
+                        slots, pre[0], pre[1], jnp.asarray(slot_m), jnp.asarray(row_m), jnp.asarray(req_m), key,
+                        top_p, stop_s, st=st)
             # Capacity for this round: the longest held sequence plus the round's tokens.
             occupied = np.array(sorted(owner), np.int64)
             need = int(host_len[occupied].max()) + c.steps_per_round + 1
             cap = self._capacity(need)
             if cap != slots.cache.max_len and (cap > slots.cache.max_len or cap <= slots.cache.max_len // 2):
                 slots = _resize(slots, capacity=max(cap, self._capacity(int(host_len[occupied].max()) + 1)))
-            slots = _decode_round(self.graphdef, self.state, slots, key, temperature, top_p, stop_s,
-                                  policy=self.policy, st=st, steps=c.steps_per_round)
+            slots = _decode_round.with_options(c.xla_options)(
+                self.graphdef, self.state, slots, key, temperature, top_p, stop_s, policy=self.policy, st=st,
+                steps=c.steps_per_round)
             self.rounds += 1
             self.capacities.append(slots.cache.max_len)
             self.slot_counts.append(slots.tok.shape[0])
@@ -632,9 +682,10 @@ class Engine:
             mask[row, :len(prompts[i])] = True
         temperature, _, _ = _hyper(self.cfg)
         self.prefills += 1
-        return _prefill(self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), slots.cache.k_scale,
-                        slots.cache.v_scale, temperature, policy=self.policy, capacity=capacity,
-                        kv_format=self.policy.kv_cache, record_routing=self.record_routing)
+        return _prefill.with_options(self.config.xla_options)(
+            self.graphdef, self.state, jnp.asarray(ids), jnp.asarray(mask), slots.cache.k_scale, slots.cache.v_scale,
+            temperature, policy=self.policy, capacity=capacity, kv_format=self.policy.kv_cache,
+            record_routing=self.record_routing)
 
 
 def _lay_out_routing(prompts, n: int, prompt_pre: dict, out_exp: list, mask_nr: np.ndarray, p: int) -> np.ndarray:

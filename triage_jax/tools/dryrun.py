@@ -203,9 +203,11 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
     key = jax.eval_shape(lambda: jax.random.key(0))
     stop = jax.ShapeDtypeStruct((1,), jnp.int32)
     t0 = time.perf_counter()
+    opts = engine.config.xla_options
     with engine._context():
-        decode = smp._decode_round.lower(graphdef, state, abstract_slots, key, f32, f32, stop, policy=policy, st=st,
-                                         steps=c.sampler.steps_per_round).compile()
+        decode = smp._decode_round.with_options(opts).lower(graphdef, state, abstract_slots, key, f32, f32, stop,
+                                                            policy=policy, st=st,
+                                                            steps=c.sampler.steps_per_round).compile()
         pb, p = engine.prefill_batch, min(smp.bucket_length(c.sampler.max_prompt_len), cache_len)
         pre = jax.eval_shape(lambda: smp._prefill(graphdef, state, jnp.zeros((pb, p), jnp.int32),
                                                   jnp.ones((pb, p), bool), jnp.zeros((model_cfg.num_hidden_layers,)),
@@ -214,7 +216,8 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
         pre = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
             shd.batch_sharding(mesh, x.ndim) if x.ndim and x.shape[0] == pb else shd.replicated(mesh))), pre)
         vec = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=shd.replicated(mesh))
-        insert = smp._insert.lower(abstract_slots, pre[0], pre[1], vec, vec, vec, key, f32, stop, st=st).compile()
+        insert = smp._insert.with_options(opts).lower(abstract_slots, pre[0], pre[1], vec, vec, vec, key, f32, stop,
+                                                      st=st).compile()
     secs = time.perf_counter() - t0
     rows = [memory_of(f"rollout decode ({slots // batch_shards(mesh)} slots/device)", decode, state, {}, secs),
             memory_of(f"rollout insert ({slots // batch_shards(mesh)} slots/device)", insert, state, {}, secs)]
