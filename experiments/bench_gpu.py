@@ -57,7 +57,9 @@ VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a16_fp4gem
 LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm", "scan": "xla",
                    "cbwhile": "xla", "nocb": "xla"}
 # Engine-only layouts (the GEMM part has none of them): "scan" (e.g. bf16_scan) = the model with scan_layers=True
-# (same shapes, its own random init), decoding with its stacked KV cache; "cbwhile" / "nocb" = the engine's
+# (same shapes, its own random init), decoding with its stacked KV cache, compiled with XLA's dynamic-slice fusion
+# (off by default: without it each step copies every layer's weights out of the stacked parameters before its
+# GEMMs, as XLA:CPU does, see docs/architecture.md); "cbwhile" / "nocb" = the engine's
 # programs compiled with XLA's command buffers (CUDA graphs) also over while loops and conditionals, so a decode
 # round runs as one graph with no host round trip per step / with no command buffers at all (EngineConfig
 # .xla_options; XLA's default puts fusions and GEMMs in command buffers but not loops).
@@ -65,6 +67,7 @@ ENGINE_XLA_OPTIONS = {
     "cbwhile": (("xla_gpu_enable_command_buffer",
                  "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),),
     "nocb": (("xla_gpu_enable_command_buffer", ""),),
+    "scan": (("xla_gpu_enable_dynamic_slice_fusion", True),),
 }
 TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
 
