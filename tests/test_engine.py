@@ -123,3 +123,40 @@ def test_bad_input_is_a_clear_error(model):
         EngineConfig(max_slots=0, max_len=64)
     with pytest.raises(ValueError, match="compact_tail"):
         EngineConfig(max_slots=4, max_len=64, compact_tail=1)
+
+
+def test_first_round_programs_compile_side_by_side_ahead_of_the_calls():
+    """EngineConfig.parallel_compile: the first round's prefill, insert and decode round compile on the engine's
+    compile threads, for exactly the arguments the round then passes: the round's own calls compile none of them
+    again (a mismatch with `_generate`'s scheduling would compile twice, on the main thread). Models of their own
+    (vocabularies no other test uses), so no other test compiled these programs first; the serial baseline
+    compiles the same three, one by one on the main thread."""
+    import threading
+
+    from jax import monitoring
+
+    compiled = []  # (program, thread name)
+    programs = ("jit(_prefill)", "jit(_insert)", "jit(_decode_round)")
+
+    def listen(event, secs, **kw):
+        if event.endswith("backend_compile_duration") and kw.get("fun_name") in programs:
+            compiled.append((kw["fun_name"], threading.current_thread().name))
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for parallel, vocab in ((True, 200), (False, 201)):
+            compiled.clear()
+            model = Qwen3(get_model_config("tiny", num_hidden_layers=1, vocab_size=vocab), rngs=nnx.Rngs(3))
+            # 16 slots hold all 15 requests: one admission, one prefill batch, one insert, one capacity.
+            engine = Engine(CFG, EngineConfig(max_slots=16, max_len=128, steps_per_round=4, compact_tail=0,
+                                              parallel_compile=parallel), pad_id=PAD, model=model)
+            out = engine.generate(PROMPTS, jax.random.key(0), n=3)
+            assert int(np.asarray(out.lengths).min()) >= 1
+            assert sorted(p for p, _ in compiled) == sorted(programs), compiled  # each compiled exactly once
+            threads = {t for _, t in compiled}
+            assert threads == ({"engine-compile_0", "engine-compile_1", "engine-compile_2"} if parallel
+                               else {"MainThread"}), compiled
+            engine.generate(PROMPTS, jax.random.key(1), n=3)  # compiled shapes: no new compile anywhere
+            assert len(compiled) == 3, compiled
+    finally:
+        monitoring.unregister_event_duration_listener(listen)

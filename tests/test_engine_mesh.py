@@ -12,9 +12,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, threading
     import jax, numpy as np
     from flax import nnx
+    from jax import monitoring
+
+    compiled = []  # the engine programs' compiles: (program, thread)
+    monitoring.register_event_duration_secs_listener(
+        lambda e, s, **kw: compiled.append((kw.get("fun_name"), threading.current_thread().name))
+        if e.endswith("backend_compile_duration") and kw.get("fun_name") in (
+            "jit(_prefill)", "jit(_insert)", "jit(_decode_round)") else None)
     from triage_jax import models, sampler, sharding as shd
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
 
@@ -50,7 +57,7 @@ SCRIPT = textwrap.dedent("""
         "q_proj": shard_shape(attn["q_proj"]["kernel"].get_value()),
         "o_proj": shard_shape(attn["o_proj"]["kernel"].get_value()),
         "embed": shard_shape(engine.state["embed"]["embedding"].get_value()),
-        "kv_shard": list(kv.shard_shape(kv_shape))}))
+        "kv_shard": list(kv.shard_shape(kv_shape)), "compiled": compiled}))
 """)
 
 
@@ -74,6 +81,12 @@ def test_one_device_equals_8_data_parallel_devices():
     one = _run({"data": 1}, 4, 1)
     eight = _run({"data": 8}, 32, 8)
     assert eight["devices"] == 8 and eight["slot_devices"] == 8  # the slots really are split
+    # The first round's programs compiled ahead on the engine's threads, for the arguments the mesh gives them:
+    # the one prefill shape never again on the main thread, each program's first compile on a compile thread.
+    compiled = [tuple(x) for x in eight["compiled"]]
+    assert [t for p, t in compiled if p == "jit(_prefill)"] in (["engine-compile_0"], ["engine-compile_1"])
+    for prog in ("jit(_prefill)", "jit(_insert)", "jit(_decode_round)"):
+        assert next(t for p, t in compiled if p == prog).startswith("engine-compile"), compiled
     np.testing.assert_array_equal(np.asarray(one["tokens"]), np.asarray(eight["tokens"]))
     np.testing.assert_allclose(np.asarray(one["logp"], np.float32), np.asarray(eight["logp"], np.float32),
                                rtol=0, atol=4e-6)

@@ -33,6 +33,7 @@ so a token's numerics do not depend on the other tokens of its batch or on prefi
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -400,6 +401,10 @@ class EngineConfig:
     # the decode loop as one CUDA graph; per program, so the learner's programs and the user's XLA_FLAGS are
     # untouched. Checked at construction (`check_xla_options`).
     xla_options: tuple = ()
+    # Compile the first round's programs (prefill, insert, decode round) side by side on threads before running it,
+    # instead of one after another as each is first called: a fresh process's first rollout waits for the slowest
+    # compile, not for their sum (XLA compiles with the GIL released).
+    parallel_compile: bool = True
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
@@ -443,6 +448,7 @@ class Engine:
         self.capacities: list[int] = []  # the cache capacity of each of those rounds
         self.slot_counts: list[int] = []  # and its number of slots (smaller once the tail is compacted)
         self.prefills = 0  # prefill calls of the last generate
+        self._compiled_first_rounds: set = set()  # shapes `_compile_first_round` compiled
         self.graphdef = self.state = None
         if model is not None:
             self.load(model)
@@ -556,6 +562,92 @@ class Engine:
         with self._context():
             return self._generate(prompts, key, n)
 
+    def _first_round_programs(self, prompts, key, n: int) -> list:
+        """Thunks that compile the programs the first round of `_generate(prompts, key, n)` calls first (ahead of
+        time, for the same arguments it will pass, so its jit calls find them compiled): the prefill of the first
+        prompt batch, the insert of its samples, the decode round at the round's capacity; none when these shapes
+        were compiled before. They mirror `_generate`'s scheduling; where they do not match a call (other prompt
+        batches of the first admission, later capacities) that call compiles as before."""
+        c, st, s, pb = self.config, self.st, self.config.max_slots, self.prefill_batch
+        opts, kv_format, dtype = c.xla_options, self.policy.kv_cache, jnp.dtype(self.model_cfg.dtype)
+        lens = np.array([len(p) for p in prompts], np.int64)
+        temperature, top_p, stop_s = _hyper(self.cfg)
+
+        def abstract(tree, shardings=None):
+            return jax.tree.map(lambda x, sh=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree,
+                                *(() if shardings is None else (shardings,)))
+
+        def slots_at(capacity):
+            empty = jax.eval_shape(lambda: _empty_slots(self.model_cfg, s, capacity, st, kv_format, dtype,
+                                                        self.record_routing))
+            return abstract(empty, self.slot_shardings(empty) if self.mesh is not None else None)
+
+        cap0 = self._capacity(int(lens.max()) + 1)
+        which = list(range(min(pb, len(prompts))))
+        p = bucket_length(int(lens[which].max()), self.prompt_bucket)
+        cap_pre = -(-p // kvc.BLOCK) * kvc.BLOCK
+        scales = slots_at(cap0).cache.k_scale  # the engine's (placed) FP8 scales
+        prefill = _prefill.with_options(opts)
+        pre_kw = dict(policy=self.policy, capacity=cap_pre, kv_format=kv_format, record_routing=self.record_routing)
+
+        def pre_args():
+            # Host-built inputs as the calls build them (jnp.asarray inside the engine's context: on a mesh their
+            # type carries it), so made on the compiling thread, inside that context.
+            ids = jnp.zeros((pb, p), jnp.int32)
+            return self.graphdef, self.state, ids, ids.astype(bool), scales, scales, temperature
+
+        pre_out = abstract(jax.eval_shape(functools.partial(prefill, **pre_kw), *pre_args()))
+        m = min(len(which) * n, s)
+        need = int(lens[which].max()) + 1
+        cap_ins = cap0 if need <= cap0 and cap_pre <= cap0 else self._capacity(max(need, cap_pre))
+        m_bucket = min(bucket_length(m, 1), s)
+        key_a = jax.ShapeDtypeStruct(jnp.shape(key), jnp.asarray(key).dtype)
+        held = int(lens[: -(-s // n)].max())  # the longest prompt of the first s samples (the first admission)
+        cap_dec = self._capacity(held + c.steps_per_round + 1)
+        if not (cap_dec > cap_ins or cap_dec <= cap_ins // 2):
+            cap_dec = cap_ins
+        signature = (hash(self.graphdef), p, m_bucket, cap_ins, cap_dec, key_a.shape, str(key_a.dtype),
+                     stop_s.shape)
+        if signature in self._compiled_first_rounds:
+            return []
+        self._compiled_first_rounds.add(signature)
+
+        def insert(pre):
+            vec = jnp.zeros((m_bucket,), jnp.int32)
+            _insert.with_options(opts).lower(slots_at(cap_ins), pre[0], pre[1], vec, vec, vec, key_a, top_p, stop_s,
+                                             st=st).compile()
+
+        def prefill_then_insert():
+            # On a mesh the insert takes the prefill's outputs as that compile lays them out (known once compiled).
+            compiled = prefill.lower(*pre_args(), **pre_kw).compile()
+            insert(abstract(pre_out, compiled.output_shardings))
+
+        decode = lambda: _decode_round.with_options(opts).lower(  # noqa: E731
+            self.graphdef, self.state, slots_at(cap_dec), key_a, temperature, top_p, stop_s, policy=self.policy,
+            st=st, steps=c.steps_per_round).compile()
+        if self.mesh is not None:
+            return [prefill_then_insert, decode]
+        # One device: a jit call's uncommitted inputs and a single-device program's outputs both key the compile
+        # cache like an abstract value without a sharding, so the three compile side by side.
+        return [lambda: prefill.lower(*pre_args(), **pre_kw).compile(), lambda: insert(pre_out), decode]
+
+    def _compile_first_round(self, prompts, key, n: int) -> None:
+        """Run `_first_round_programs` on threads and wait for them (already compiled: milliseconds). A failure
+        here is left to the real call to report."""
+        try:
+            thunks = self._first_round_programs(prompts, key, n)
+        except Exception:  # noqa: BLE001 - an optimization only: the real calls raise what is wrong
+            return
+        if not thunks:
+            return
+        def in_context(thunk):  # the mesh and rules context is per thread: each compile runs in the engine's
+            with self._context():
+                thunk()
+
+        with concurrent.futures.ThreadPoolExecutor(len(thunks), thread_name_prefix="engine-compile") as pool:
+            for f in [pool.submit(in_context, t) for t in thunks]:
+                f.exception()
+
     def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots
         temperature, top_p, stop_s = _hyper(self.cfg)
@@ -563,6 +655,8 @@ class Engine:
         num = len(prompts) * n
         kv_format, dtype = self.policy.kv_cache, jnp.dtype(self.model_cfg.dtype)
         lens = np.array([len(p) for p in prompts], np.int32)
+        if c.parallel_compile:
+            self._compile_first_round(prompts, key, n)
         cap = self._capacity(int(lens.max()) + 1)
         slots = self._place(_empty_slots(self.model_cfg, s, cap, st, kv_format, dtype, self.record_routing))
         out_tok = np.full((num, r), self.pad_id, np.int32)
