@@ -1,12 +1,16 @@
-"""The rollout engine's first generate in a fresh process (compile included): the first round's programs compiled
-side by side on threads (EngineConfig.parallel_compile, the default) vs one by one as each is first called.
+"""The rollout engine's first generate in a fresh process (compile included), by how its programs compile:
+`serial` (each as it is first called), `parallel` (the first round's prefill, insert and decode side by side on
+threads: EngineConfig.parallel_compile, the default) and `ahead` (parallel, and the decode round at the larger
+KV-capacity buckets compiled in the background while the rollout runs: EngineConfig.compile_ahead, the trainer's
+default).
 
-    python experiments/bench_first_call.py [--layers 36] [--processes 3]
+    python experiments/bench_first_call.py [--layers 36] [--processes 3] [--prompt 8] [--new 200]
+        [--modes serial,parallel,ahead]
 
-bench_scan's model and workload (Qwen3-4B's depth at width 256, bf16, 8 prompts x 32 tokens, 16 new; no persistent
-cache), unrolled layers; the two modes alternate over --processes fresh processes each, and the table reports the
-best and the median of each. Greedy tokens of the two modes are compared. Prints a table and one JSON line
-(`"bench": "first_call"`).
+bench_scan's model (Qwen3-4B's depth at width 256, bf16, unrolled; no persistent cache), 8 prompts; the default
+workload (8-token prompts, 200 new tokens, no stop) grows through the capacity buckets 64, 128 and 256, as a
+rollout's responses do. The modes alternate over --processes fresh processes each; the table reports the best and
+the median. Greedy tokens of every mode are compared. Prints a table and one JSON line (`"bench": "first_call"`).
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ import tempfile
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.bench_scan import NEW, PROMPT, SLOTS, WIDTH, run_form  # noqa: E402
+from experiments.bench_scan import SLOTS, WIDTH, run_form  # noqa: E402
 from experiments.loadavg import machine_load  # noqa: E402
+
+MODES = ("serial", "parallel", "ahead")
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--processes", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=8)
+    ap.add_argument("--new", type=int, default=200)
+    ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes) or modes[0] != "serial":
+        ap.error(f"--modes: a list of {MODES} starting with serial (the baseline), got {args.modes!r}")
     from flax import nnx
 
     from triage_jax import models
@@ -37,23 +49,24 @@ def main(argv=None) -> dict:
     load = machine_load()
     print(load.line())
     cfg = models.get_model_config("qwen3_4b", num_hidden_layers=args.layers, **WIDTH)
-    runs = {"serial": [], "parallel": []}
+    runs = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as d:
         models.save_pretrained(models.Qwen3(cfg, rngs=nnx.Rngs(0)), d)
         for _ in range(args.processes):
             for mode in runs:
-                runs[mode].append(run_form(d, "unrolled", 1, mode))
+                runs[mode].append(run_form(d, "unrolled", 1, mode, prompt=args.prompt, new=args.new))
     tokens = [r["tokens"] for rs in runs.values() for r in rs]
     first = {mode: [r["first_s"] for r in rs] for mode, rs in runs.items()}
-    print(f"\n{args.layers} layers, width {WIDTH['hidden_size']}, bf16; {SLOTS} prompts x {PROMPT} tokens, {NEW} new; "
-          f"{args.processes} fresh processes per mode{load.tag()}")
-    print(f"{'compile':>9} {'best s':>8} {'median s':>9}  all")
+    base = statistics.median(first["serial"])
+    print(f"\n{args.layers} layers, width {WIDTH['hidden_size']}, bf16; {SLOTS} prompts x {args.prompt} tokens, "
+          f"{args.new} new; {args.processes} fresh processes per mode{load.tag()}")
+    print(f"{'compile':>9} {'best s':>8} {'median s':>9} {'x serial':>9}  all")
     for mode, xs in first.items():
-        print(f"{mode:>9} {min(xs):>8.2f} {statistics.median(xs):>9.2f}  {' '.join(f'{x:.2f}' for x in xs)}")
-    out = {"bench": "first_call", "layers": args.layers, "processes": args.processes,
-           **{f"{m}_first_s": xs for m, xs in first.items()},
-           "ratio_parallel_vs_serial_median": round(statistics.median(first["parallel"])
-                                                   / statistics.median(first["serial"]), 3),
+        print(f"{mode:>9} {min(xs):>8.2f} {statistics.median(xs):>9.2f} {statistics.median(xs) / base:>9.3f}  "
+              f"{' '.join(f'{x:.2f}' for x in xs)}")
+    out = {"bench": "first_call", "layers": args.layers, "processes": args.processes, "prompt": args.prompt,
+           "new": args.new, **{f"{m}_first_s": xs for m, xs in first.items()},
+           **{f"ratio_{m}_vs_serial_median": round(statistics.median(xs) / base, 3) for m, xs in first.items()},
            "greedy_tokens_equal": all(t == tokens[0] for t in tokens), **load.fields()}
     print(json.dumps(out))
     return out

@@ -39,10 +39,10 @@ from triage_jax import models
 from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
 model = models.from_pretrained(sys.argv[1], scan_layers=sys.argv[2] == "scan", dtype="bfloat16",
                                param_dtype="bfloat16")
-parallel = len(sys.argv) < 5 or sys.argv[4] == "parallel"
+mode = sys.argv[4] if len(sys.argv) > 4 else "parallel"
 eng = Engine(SamplingConfig(max_new_tokens={new}, greedy=True),
              EngineConfig(max_slots={slots}, max_len={prompt} + {new}, max_prompt_len={prompt}, prefill_batch={slots},
-                          parallel_compile=parallel),
+                          parallel_compile=mode != "serial", compile_ahead=mode == "ahead"),
              model=model)
 prompts = [np.random.default_rng(k).integers(2, {vocab}, {prompt}).tolist() for k in range({slots})]
 t1 = time.perf_counter()
@@ -57,12 +57,13 @@ print("RESULT", json.dumps({{"first_s": first, "warm_s": min(warm), "tokens": to
 """
 
 
-def run_form(path: str, form: str, repeats: int, compile_mode: str = "parallel") -> dict:
+def run_form(path: str, form: str, repeats: int, compile_mode: str = "parallel", *, prompt: int = PROMPT,
+             new: int = NEW) -> dict:
     """One fresh process per form: its first generate compiles from nothing (the persistent cache is off);
-    compile_mode "serial" turns EngineConfig.parallel_compile off."""
+    compile_mode "serial" turns EngineConfig.parallel_compile off, "ahead" turns compile_ahead on too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": "", "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    code = RUN.format(new=NEW, slots=SLOTS, prompt=PROMPT, vocab=WIDTH["vocab_size"])
+    code = RUN.format(new=new, slots=SLOTS, prompt=prompt, vocab=WIDTH["vocab_size"])
     out = subprocess.run([sys.executable, "-c", code, path, form, str(repeats), compile_mode], cwd=root, env=env,
                          capture_output=True, text=True, timeout=1800)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]

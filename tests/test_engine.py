@@ -160,3 +160,34 @@ def test_first_round_programs_compile_side_by_side_ahead_of_the_calls():
             assert len(compiled) == 3, compiled
     finally:
         monitoring.unregister_event_duration_listener(listen)
+
+
+def test_compile_ahead_compiles_the_next_capacity_off_the_main_thread():
+    """EngineConfig.compile_ahead: once a round runs at capacity 64, the decode round at the larger buckets (128 =
+    max_len here) compiles on a background thread, and the round that grows into 128 waits for it instead of
+    compiling it again on the main thread. Without it, that compile happens on the main thread, mid-rollout."""
+    import threading
+
+    from jax import monitoring
+
+    compiled = []
+
+    def listen(event, secs, **kw):
+        if event.endswith("backend_compile_duration") and kw.get("fun_name") == "jit(_decode_round)":
+            compiled.append(threading.current_thread().name)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    cfg = SamplingConfig(max_new_tokens=90)  # 4-token prompts grow past 64 slots
+    try:
+        for ahead, vocab in ((True, 202), (False, 203)):
+            compiled.clear()
+            model = Qwen3(get_model_config("tiny", num_hidden_layers=1, vocab_size=vocab), rngs=nnx.Rngs(3))
+            engine = Engine(cfg, EngineConfig(max_slots=4, max_len=128, steps_per_round=8, compact_tail=0,
+                                              compile_ahead=ahead), pad_id=PAD, model=model)
+            engine.generate([[5, 17, 99, 3]], jax.random.key(0), n=4)
+            assert sorted(set(engine.capacities)) == [64, 128]
+            assert len(compiled) == 2, compiled  # one program per capacity, never twice
+            assert compiled[0].startswith("engine-compile_"), compiled  # the first round's, compiled side by side
+            assert compiled[1] == ("engine-compile-ahead" if ahead else "MainThread"), compiled
+    finally:
+        monitoring.unregister_event_duration_listener(listen)

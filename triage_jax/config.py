@@ -118,6 +118,10 @@ def base_config() -> ml_collections.ConfigDict:
     # .xla_options; values true / false / numbers are typed), e.g.
     # ("xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",).
     c.sampler.xla_options = ()
+    # Compile the engine's decode round for the larger KV-capacity buckets (up to max_prompt_len + max_new_tokens)
+    # in the background once the rollout runs, so responses growing into them do not stall it to compile
+    # (sampler.EngineConfig.compile_ahead).
+    c.sampler.compile_ahead = True
 
     c.learner = ml_collections.ConfigDict()
     c.learner.precision = "bf16"

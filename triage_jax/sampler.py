@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import threading
 import warnings
 from typing import Sequence
 
@@ -248,6 +249,12 @@ def _program(**jit_kw):
     return lambda fn: _Program(fn, **jit_kw)
 
 
+def _abstract(tree, shardings=None):
+    """ShapeDtypeStructs of a tree's arrays (with these shardings, else none: how an uncommitted input keys jit)."""
+    return jax.tree.map(lambda x, sh=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree,
+                        *(() if shardings is None else (shardings,)))
+
+
 def check_xla_options(options: tuple) -> tuple:
     """EngineConfig.xla_options as a tuple of (name, value) pairs, each checked by compiling a trivial program with
     it (milliseconds), so a misspelt option or a bad value fails at construction, not at the first rollout's
@@ -405,6 +412,11 @@ class EngineConfig:
     # instead of one after another as each is first called: a fresh process's first rollout waits for the slowest
     # compile, not for their sum (XLA compiles with the GIL released).
     parallel_compile: bool = True
+    # Once a round runs at a capacity, compile the decode round at the larger capacity buckets (up to max_len) on a
+    # background thread, so a sequence growing into the next bucket finds its program compiled instead of stalling
+    # the rollout while it compiles (a long response crosses several buckets in the first rollout). Off by
+    # default: it compiles programs a short generate never uses.
+    compile_ahead: bool = False
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
@@ -449,6 +461,7 @@ class Engine:
         self.slot_counts: list[int] = []  # and its number of slots (smaller once the tail is compacted)
         self.prefills = 0  # prefill calls of the last generate
         self._compiled_first_rounds: set = set()  # shapes `_compile_first_round` compiled
+        self._ahead: dict = {}  # decode-round shapes compiled (or compiling) ahead -> their Future
         self.graphdef = self.state = None
         if model is not None:
             self.load(model)
@@ -569,19 +582,10 @@ class Engine:
         were compiled before. They mirror `_generate`'s scheduling; where they do not match a call (other prompt
         batches of the first admission, later capacities) that call compiles as before."""
         c, st, s, pb = self.config, self.st, self.config.max_slots, self.prefill_batch
-        opts, kv_format, dtype = c.xla_options, self.policy.kv_cache, jnp.dtype(self.model_cfg.dtype)
+        opts, kv_format = c.xla_options, self.policy.kv_cache
         lens = np.array([len(p) for p in prompts], np.int64)
         temperature, top_p, stop_s = _hyper(self.cfg)
-
-        def abstract(tree, shardings=None):
-            return jax.tree.map(lambda x, sh=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree,
-                                *(() if shardings is None else (shardings,)))
-
-        def slots_at(capacity):
-            empty = jax.eval_shape(lambda: _empty_slots(self.model_cfg, s, capacity, st, kv_format, dtype,
-                                                        self.record_routing))
-            return abstract(empty, self.slot_shardings(empty) if self.mesh is not None else None)
-
+        slots_at = functools.partial(self._abstract_slots, s)
         cap0 = self._capacity(int(lens.max()) + 1)
         which = list(range(min(pb, len(prompts))))
         p = bucket_length(int(lens[which].max()), self.prompt_bucket)
@@ -596,7 +600,7 @@ class Engine:
             ids = jnp.zeros((pb, p), jnp.int32)
             return self.graphdef, self.state, ids, ids.astype(bool), scales, scales, temperature
 
-        pre_out = abstract(jax.eval_shape(functools.partial(prefill, **pre_kw), *pre_args()))
+        pre_out = _abstract(jax.eval_shape(functools.partial(prefill, **pre_kw), *pre_args()))
         m = min(len(which) * n, s)
         need = int(lens[which].max()) + 1
         cap_ins = cap0 if need <= cap0 and cap_pre <= cap0 else self._capacity(max(need, cap_pre))
@@ -620,11 +624,9 @@ class Engine:
         def prefill_then_insert():
             # On a mesh the insert takes the prefill's outputs as that compile lays them out (known once compiled).
             compiled = prefill.lower(*pre_args(), **pre_kw).compile()
-            insert(abstract(pre_out, compiled.output_shardings))
+            insert(_abstract(pre_out, compiled.output_shardings))
 
-        decode = lambda: _decode_round.with_options(opts).lower(  # noqa: E731
-            self.graphdef, self.state, slots_at(cap_dec), key_a, temperature, top_p, stop_s, policy=self.policy,
-            st=st, steps=c.steps_per_round).compile()
+        decode = functools.partial(self._compile_decode, s, cap_dec, key_a)
         if self.mesh is not None:
             return [prefill_then_insert, decode]
         # One device: a jit call's uncommitted inputs and a single-device program's outputs both key the compile
@@ -640,13 +642,63 @@ class Engine:
             return
         if not thunks:
             return
-        def in_context(thunk):  # the mesh and rules context is per thread: each compile runs in the engine's
-            with self._context():
-                thunk()
-
         with concurrent.futures.ThreadPoolExecutor(len(thunks), thread_name_prefix="engine-compile") as pool:
-            for f in [pool.submit(in_context, t) for t in thunks]:
+            for f in [pool.submit(self._in_context, t) for t in thunks]:
                 f.exception()
+
+    def _ahead_key(self, count: int, capacity: int, key) -> tuple:
+        return hash(self.graphdef), count, capacity, jnp.shape(key), str(jnp.asarray(key).dtype)
+
+    def _start_ahead(self, count: int, capacity: int, key) -> None:
+        """EngineConfig.compile_ahead: compile the decode round for `count` slots at each capacity bucket above
+        `capacity` (smallest first) on a background thread, unless done or under way."""
+        top = self._capacity(self.config.max_len)
+        caps, c = [], capacity * 2
+        while c < top:
+            caps.append(c)
+            c *= 2
+        caps += [top] if top > capacity else []
+        key_a = jax.ShapeDtypeStruct(jnp.shape(key), jnp.asarray(key).dtype)
+        todo = {cap: concurrent.futures.Future() for cap in caps if self._ahead_key(count, cap, key) not in self._ahead}
+        if not todo:
+            return
+        self._ahead.update({self._ahead_key(count, cap, key): f for cap, f in todo.items()})
+
+        def work():
+            for cap, f in todo.items():
+                try:
+                    self._in_context(functools.partial(self._compile_decode, count, cap, key_a))
+                    f.set_result(None)
+                except Exception as e:  # noqa: BLE001 - reported by the real call, which compiles it again
+                    f.set_exception(e)
+
+        # A daemon thread: a process that ends before it is done does not wait for programs it will not run.
+        threading.Thread(target=work, name="engine-compile-ahead", daemon=True).start()
+
+    def _wait_ahead(self, count: int, capacity: int, key) -> None:
+        """Before a decode round: if its program is being compiled ahead, wait for that (not compile it twice)."""
+        f = self._ahead.get(self._ahead_key(count, capacity, key))
+        if f is not None:
+            f.exception()
+
+    def _in_context(self, thunk) -> None:
+        """thunk() inside the engine's mesh and rules context (it is per thread: a compiling thread enters it)."""
+        with self._context():
+            thunk()
+
+    def _abstract_slots(self, count: int, capacity: int) -> Slots:
+        """The engine's slots (`count` of them, KV capacity `capacity`) as abstract values laid out as `_place`
+        lays them out."""
+        empty = jax.eval_shape(lambda: _empty_slots(self.model_cfg, count, capacity, self.st, self.policy.kv_cache,
+                                                    jnp.dtype(self.model_cfg.dtype), self.record_routing))
+        return _abstract(empty, self.slot_shardings(empty) if self.mesh is not None else None)
+
+    def _compile_decode(self, count: int, capacity: int, key_a) -> None:
+        """Compile the decode round for `count` slots at `capacity` (the arguments `_generate` passes it)."""
+        temperature, top_p, stop_s = _hyper(self.cfg)
+        _decode_round.with_options(self.config.xla_options).lower(
+            self.graphdef, self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s,
+            policy=self.policy, st=self.st, steps=self.config.steps_per_round).compile()
 
     def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots
@@ -713,9 +765,12 @@ class Engine:
             cap = self._capacity(need)
             if cap != slots.cache.max_len and (cap > slots.cache.max_len or cap <= slots.cache.max_len // 2):
                 slots = _resize(slots, capacity=max(cap, self._capacity(int(host_len[occupied].max()) + 1)))
+            self._wait_ahead(slots.tok.shape[0], slots.cache.max_len, key)
             slots = _decode_round.with_options(c.xla_options)(
                 self.graphdef, self.state, slots, key, temperature, top_p, stop_s, policy=self.policy, st=st,
                 steps=c.steps_per_round)
+            if c.compile_ahead:
+                self._start_ahead(slots.tok.shape[0], slots.cache.max_len, key)
             self.rounds += 1
             self.capacities.append(slots.cache.max_len)
             self.slot_counts.append(slots.tok.shape[0])
