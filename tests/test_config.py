@@ -273,3 +273,6 @@ def test_sampler_xla_options_reach_the_engine_typed():
     assert build.engine_config(c).xla_options == (("xla_gpu_enable_command_buffer", "FUSION,WHILE"),
                                                   ("xla_cpu_enable_fast_math", False),
                                                   ("xla_gpu_graph_min_graph_size", 2))
+    assert build.engine_config(c).compile_ahead  # the trainer compiles larger KV buckets ahead by default
+    c.sampler.compile_ahead = False
+    assert not build.engine_config(c).compile_ahead
