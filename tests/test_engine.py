@@ -191,3 +191,30 @@ def test_compile_ahead_compiles_the_next_capacity_off_the_main_thread():
             assert compiled[1] == ("engine-compile-ahead" if ahead else "MainThread"), compiled
     finally:
         monitoring.unregister_event_duration_listener(listen)
+
+
+def test_a_process_exits_cleanly_while_compiling_ahead():
+    """A process that ends while the compile-ahead thread is inside XLA's compiler exits cleanly (a daemon thread
+    still compiling when the interpreter finalizes aborts the process: rc 134); it waits for the compile under
+    way only, not for the rest of the ladder (max_len 2048: buckets 128 .. 2048)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import jax, threading\n"
+        "from flax import nnx\n"
+        "from triage_jax.models import Qwen3, get_model_config\n"
+        "from triage_jax.sampler import Engine, EngineConfig, SamplingConfig\n"
+        "model = Qwen3(get_model_config('tiny', num_hidden_layers=2), rngs=nnx.Rngs(0))\n"
+        "eng = Engine(SamplingConfig(max_new_tokens=4), EngineConfig(max_slots=2, max_len=2048,\n"
+        "             compile_ahead=True), model=model)\n"
+        "eng.generate([[1, 2, 3]], jax.random.key(0))\n"
+        "print('ALIVE', sum(t.name == 'engine-compile-ahead' and t.is_alive() for t in threading.enumerate()))\n")
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", JAX_COMPILATION_CACHE_DIR="")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ALIVE 1" in out.stdout  # it really exited with a compile ahead under way
+    assert time.perf_counter() - t0 < 120
