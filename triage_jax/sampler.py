@@ -621,7 +621,6 @@ class Engine:
             ids = jnp.zeros((pb, p), jnp.int32)
             return self.graphdef, self.state, ids, ids.astype(bool), scales, scales, temperature
 
-        pre_out = _abstract(jax.eval_shape(functools.partial(prefill, **pre_kw), *pre_args()))
         m = min(len(which) * n, s)
         need = int(lens[which].max()) + 1
         cap_ins = cap0 if need <= cap0 and cap_pre <= cap0 else self._capacity(max(need, cap_pre))
@@ -636,6 +635,7 @@ class Engine:
         if signature in self._compiled_first_rounds:
             return []
         self._compiled_first_rounds.add(signature)
+        pre_out = _abstract(jax.eval_shape(functools.partial(prefill, **pre_kw), *pre_args()))
 
         def insert(pre):
             vec = jnp.zeros((m_bucket,), jnp.int32)
