@@ -1,9 +1,13 @@
 """The rollout engine: continuous batching, shared prompts, capacity buckets, determinism under any schedule."""
 
+import contextlib
+import threading
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax import monitoring
 
 from triage_jax.logprobs import response_logprobs
 from triage_jax.models import Qwen3, get_model_config
@@ -125,18 +129,10 @@ def test_bad_input_is_a_clear_error(model):
         EngineConfig(max_slots=4, max_len=64, compact_tail=1)
 
 
-def test_first_round_programs_compile_side_by_side_ahead_of_the_calls():
-    """EngineConfig.parallel_compile: the first round's prefill, insert and decode round compile on the engine's
-    compile threads, for exactly the arguments the round then passes: the round's own calls compile none of them
-    again (a mismatch with `_generate`'s scheduling would compile twice, on the main thread). Models of their own
-    (vocabularies no other test uses), so no other test compiled these programs first; the serial baseline
-    compiles the same three, one by one on the main thread."""
-    import threading
-
-    from jax import monitoring
-
-    compiled = []  # (program, thread name)
-    programs = ("jit(_prefill)", "jit(_insert)", "jit(_decode_round)")
+@contextlib.contextmanager
+def engine_compiles(*programs: str):
+    """A list that collects (program, thread name) for each XLA compile of these jitted programs in the block."""
+    compiled = []
 
     def listen(event, secs, **kw):
         if event.endswith("backend_compile_duration") and kw.get("fun_name") in programs:
@@ -144,12 +140,24 @@ def test_first_round_programs_compile_side_by_side_ahead_of_the_calls():
 
     monitoring.register_event_duration_secs_listener(listen)
     try:
-        for parallel, vocab in ((True, 200), (False, 201)):
-            compiled.clear()
-            model = Qwen3(get_model_config("tiny", num_hidden_layers=1, vocab_size=vocab), rngs=nnx.Rngs(3))
-            # 16 slots hold all 15 requests: one admission, one prefill batch, one insert, one capacity.
-            engine = Engine(CFG, EngineConfig(max_slots=16, max_len=128, steps_per_round=4, compact_tail=0,
-                                              parallel_compile=parallel), pad_id=PAD, model=model)
+        yield compiled
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+
+
+def test_first_round_programs_compile_side_by_side_ahead_of_the_calls():
+    """EngineConfig.parallel_compile: the first round's prefill, insert and decode round compile on the engine's
+    compile threads, for exactly the arguments the round then passes: the round's own calls compile none of them
+    again (a mismatch with `_generate`'s scheduling would compile twice, on the main thread). Models of their own
+    (vocabularies no other test uses), so no other test compiled these programs first; the serial baseline
+    compiles the same three, one by one on the main thread."""
+    programs = ("jit(_prefill)", "jit(_insert)", "jit(_decode_round)")
+    for parallel, vocab in ((True, 200), (False, 201)):
+        model = Qwen3(get_model_config("tiny", num_hidden_layers=1, vocab_size=vocab), rngs=nnx.Rngs(3))
+        # 16 slots hold all 15 requests: one admission, one prefill batch, one insert, one capacity.
+        engine = Engine(CFG, EngineConfig(max_slots=16, max_len=128, steps_per_round=4, compact_tail=0,
+                                          parallel_compile=parallel), pad_id=PAD, model=model)
+        with engine_compiles(*programs) as compiled:
             out = engine.generate(PROMPTS, jax.random.key(0), n=3)
             assert int(np.asarray(out.lengths).min()) >= 1
             assert sorted(p for p, _ in compiled) == sorted(programs), compiled  # each compiled exactly once
@@ -158,39 +166,24 @@ def test_first_round_programs_compile_side_by_side_ahead_of_the_calls():
                                else {"MainThread"}), compiled
             engine.generate(PROMPTS, jax.random.key(1), n=3)  # compiled shapes: no new compile anywhere
             assert len(compiled) == 3, compiled
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
 
 
 def test_compile_ahead_compiles_the_next_capacity_off_the_main_thread():
     """EngineConfig.compile_ahead: once a round runs at capacity 64, the decode round at the larger buckets (128 =
     max_len here) compiles on a background thread, and the round that grows into 128 waits for it instead of
     compiling it again on the main thread. Without it, that compile happens on the main thread, mid-rollout."""
-    import threading
-
-    from jax import monitoring
-
-    compiled = []
-
-    def listen(event, secs, **kw):
-        if event.endswith("backend_compile_duration") and kw.get("fun_name") == "jit(_decode_round)":
-            compiled.append(threading.current_thread().name)
-
-    monitoring.register_event_duration_secs_listener(listen)
     cfg = SamplingConfig(max_new_tokens=90)  # 4-token prompts grow past 64 slots
-    try:
-        for ahead, vocab in ((True, 202), (False, 203)):
-            compiled.clear()
-            model = Qwen3(get_model_config("tiny", num_hidden_layers=1, vocab_size=vocab), rngs=nnx.Rngs(3))
-            engine = Engine(cfg, EngineConfig(max_slots=4, max_len=128, steps_per_round=8, compact_tail=0,
-                                              compile_ahead=ahead), pad_id=PAD, model=model)
+    for ahead, vocab in ((True, 202), (False, 203)):
+        model = Qwen3(get_model_config("tiny", num_hidden_layers=1, vocab_size=vocab), rngs=nnx.Rngs(3))
+        engine = Engine(cfg, EngineConfig(max_slots=4, max_len=128, steps_per_round=8, compact_tail=0,
+                                          compile_ahead=ahead), pad_id=PAD, model=model)
+        with engine_compiles("jit(_decode_round)") as compiled:
             engine.generate([[5, 17, 99, 3]], jax.random.key(0), n=4)
-            assert sorted(set(engine.capacities)) == [64, 128]
-            assert len(compiled) == 2, compiled  # one program per capacity, never twice
-            assert compiled[0].startswith("engine-compile_"), compiled  # the first round's, compiled side by side
-            assert compiled[1] == ("engine-compile-ahead" if ahead else "MainThread"), compiled
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
+        threads = [t for _, t in compiled]
+        assert sorted(set(engine.capacities)) == [64, 128]
+        assert len(threads) == 2, threads  # one program per capacity, never twice
+        assert threads[0].startswith("engine-compile_"), threads  # the first round's, compiled side by side
+        assert threads[1] == ("engine-compile-ahead" if ahead else "MainThread"), threads
 
 
 def test_a_process_exits_cleanly_while_compiling_ahead():
