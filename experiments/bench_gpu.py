@@ -21,8 +21,9 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     step / step time / copy bandwidth); the first call's seconds (compile included) in a fresh process, with an
     empty and with a filled persistent compilation cache. Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the
     engine compiled with command buffers over its decode loop too / with none: is the step launch-bound, and do
-    CUDA graphs fix it?), `bf16_scan` (the model with scan_layers=True: does scanning the layers slow the GPU's
-    decode step?) and --first_call_scan (its compile).
+    CUDA graphs fix it?), `bf16_exit` (decode rounds that exit early: a host round trip per step, the CPU's
+    loop; every other sampler runs the GPU's fixed rounds), `bf16_scan` (the model with scan_layers=True: does
+    scanning the layers slow the GPU's decode step?) and --first_call_scan (its compile).
 (c) agree: greedy tokens of the w4a16 sampler on each weight-GEMM backend against the xla backend's.
 
 Prints a table per part and one JSON line (`"bench": "gpu"`).
@@ -55,7 +56,7 @@ GEMM_MS = (1, 16, 64, 256)
 VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a16_fp4gemmreg", "w4a4", "w4a4_fp4gemm")
 # fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
 LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm", "scan": "xla",
-                   "cbwhile": "xla", "nocb": "xla"}
+                   "cbwhile": "xla", "nocb": "xla", "exit": "xla"}
 # Engine-only layouts (the GEMM part has none of them): "scan" (e.g. bf16_scan) = the model with scan_layers=True
 # (same shapes, its own random init), decoding with its stacked KV cache, compiled with XLA's dynamic-slice fusion
 # (off by default: without it each step copies every layer's weights out of the stacked parameters before its
@@ -69,6 +70,10 @@ ENGINE_XLA_OPTIONS = {
     "nocb": (("xla_gpu_enable_command_buffer", ""),),
     "scan": (("xla_gpu_enable_dynamic_slice_fusion", True),),
 }
+# "exit" (e.g. bf16_exit) = decode rounds that stop once every slot is done (EngineConfig.round_loop="early_exit"):
+# a data-dependent trip count, so XLA:GPU copies the loop condition to the host and waits for the device before
+# every step. Every other sampler runs the GPU's default, a fixed round ("auto": a known trip count).
+ENGINE_CONFIGS = {"exit": {"round_loop": "early_exit"}}
 TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
 
 
@@ -177,7 +182,7 @@ def bench_gemm(args, bw: float) -> list[dict]:
     return rows
 
 
-def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int, xla_options: tuple = ()):
+def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int, xla_options: tuple = (), **engine_kw):
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model
 
     rng = np.random.default_rng(0)
@@ -187,7 +192,7 @@ def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int, xla
     for tokens in (new_tokens, 1):
         eng = Engine(SamplingConfig(max_new_tokens=tokens), EngineConfig(
             max_slots=batch, max_len=prompt_len + new_tokens, max_prompt_len=prompt_len, prefill_batch=batch,
-            xla_options=xla_options), policy=policy, model=prepared)
+            xla_options=xla_options, **engine_kw), policy=policy, model=prepared)
         calls.append(lambda e=eng: e.generate(prompts, jax.random.key(0)).tokens)
     return calls, prompts
 
@@ -238,7 +243,8 @@ def bench_engine(args, bw: float) -> list[dict]:
                     policy = sampler_policy(preset, backend=LAYOUT_BACKENDS[layout])
                     calls, prompts = _engine_run(scanned if layout == "scan" else model, policy, b,
                                                  args.prompt_len, args.new_tokens,
-                                                 ENGINE_XLA_OPTIONS.get(layout, ()))
+                                                 ENGINE_XLA_OPTIONS.get(layout, ()),
+                                                 **ENGINE_CONFIGS.get(layout, {}))
                 except Exception as e:  # recorded as this sampler's error by interleaved
                     calls = [functools.partial(_reraise, e)] * 2
                 sides += calls

@@ -62,7 +62,7 @@ sys.exit(1 if bad or "3" not in ckpts or summary["steps"] != 3 else 0)
 EOF
 step "bench_gpu: decode GEMMs" 110 python3 experiments/bench_gpu.py --parts gemm --json "$out/bench_gpu_gemm.json"
 step "bench_gpu: 0.6B engine" 120 python3 experiments/bench_gpu.py --parts engine,agree \
-  --models qwen3_0_6b --batches 64,256 --samplers bf16,bf16_cbwhile --json "$out/bench_gpu_a.json"
+  --models qwen3_0_6b --batches 256 --samplers bf16,bf16_exit,bf16_cbwhile --json "$out/bench_gpu_a.json"
 step "bench_gpu: 4B, first call" 100 python3 experiments/bench_gpu.py --parts engine,first_call \
   --models qwen3_4b --batches 64 --no_hf --samplers bf16,w4a16,w4a16_fp4gemm,w4a4_fp4gemm \
   --json "$out/bench_gpu_b.json"

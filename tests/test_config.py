@@ -276,3 +276,19 @@ def test_sampler_xla_options_reach_the_engine_typed():
     assert build.engine_config(c).compile_ahead  # the trainer compiles larger KV buckets ahead by default
     c.sampler.compile_ahead = False
     assert not build.engine_config(c).compile_ahead
+
+
+def test_sampler_round_loop_reaches_the_engine_and_is_checked():
+    """sampler.round_loop: "auto" by default (the engine resolves it by platform), any of ROUND_LOOPS reaches
+    EngineConfig, a misspelt one fails naming the key and the choices before anything is built."""
+    from triage_jax import build
+    from triage_jax.config import load_config
+
+    c = load_config("configs/tiny.py")
+    assert build.engine_config(c).round_loop == "auto"
+    c.sampler.round_loop = "early_exit"
+    validate(c)
+    assert build.engine_config(c).round_loop == "early_exit"
+    c.sampler.round_loop = "fixd"
+    with pytest.raises(ValueError, match=r"sampler.round_loop.*'fixd' is not one of \['auto', 'fixed', 'early_exit'\]"):
+        validate(c)

@@ -25,10 +25,11 @@ def model():
 
 
 def run(model, *, slots, continuous=True, steps=4, n=3, prompts=PROMPTS, key=0, max_len=128, prefill_batch=8,
-        max_prompt_len=0, compact_tail=4):
+        max_prompt_len=0, compact_tail=4, round_loop="auto"):
     engine = Engine(CFG, EngineConfig(max_slots=slots, max_len=max_len, steps_per_round=steps,
                                       prefill_batch=prefill_batch, continuous=continuous,
-                                      max_prompt_len=max_prompt_len, compact_tail=compact_tail),
+                                      max_prompt_len=max_prompt_len, compact_tail=compact_tail,
+                                      round_loop=round_loop),
                     pad_id=PAD, model=model)
     return engine, engine.generate(prompts, jax.random.key(key), n=n)
 
@@ -120,6 +121,21 @@ def test_generate_matches_engine_and_orders_rows_prompt_major(model):
     assert np.asarray(out.prompt_lengths).tolist() == [4, 4, 11, 11]
 
 
+def test_one_token_responses_run_no_decode_round(model):
+    """max_new_tokens=1: each response is the insert's draw from its prompt's logits, so no decode round runs (a
+    fixed round would compute steps_per_round steps for nothing); the token and log-prob are the first of a
+    longer generate's (the keys follow request and position)."""
+    outs = {}
+    for tokens in (1, 6):
+        engine = Engine(SamplingConfig(max_new_tokens=tokens), EngineConfig(max_slots=4, max_len=64,
+                                                                           round_loop="fixed"), pad_id=PAD, model=model)
+        outs[tokens] = as_np(engine.generate(PROMPTS, jax.random.key(3), n=2))
+        assert (engine.rounds == 0) == (tokens == 1)
+    np.testing.assert_array_equal(outs[1]["lengths"], 1)
+    np.testing.assert_array_equal(outs[1]["tokens"][:, 0], outs[6]["tokens"][:, 0])
+    np.testing.assert_array_equal(outs[1]["logprobs"][:, 0], outs[6]["logprobs"][:, 0])
+
+
 def test_bad_input_is_a_clear_error(model):
     with pytest.raises(ValueError, match=r"prompt 1 has 11 tokens.*needs 51 .*max_cache_len=48"):
         run(model, slots=2, max_len=48)
@@ -127,6 +143,36 @@ def test_bad_input_is_a_clear_error(model):
         EngineConfig(max_slots=0, max_len=64)
     with pytest.raises(ValueError, match="compact_tail"):
         EngineConfig(max_slots=4, max_len=64, compact_tail=1)
+    with pytest.raises(ValueError, match=r"round_loop must be one of .*'fixed'.*got 'fixd'"):
+        EngineConfig(max_slots=4, max_len=64, round_loop="fixd")
+
+
+def test_fixed_rounds_give_the_early_exit_bits_with_a_known_trip_count(model):
+    """EngineConfig.round_loop: a fixed round runs every one of its steps (7 here: most last rounds end with steps
+    in which no slot is active) and gives the same tokens, log-probs and lengths as rounds that exit early, in
+    continuous batching and static waves, over the same number of rounds. Its compiled loop has a trip count XLA
+    knows (on a GPU: no copy of the condition to the host and no wait for the device per step), the early-exit
+    loop none; "auto" is early_exit on this CPU (fixed on GPUs)."""
+    from triage_jax import sampler as smp
+
+    for continuous in (True, False):
+        early, ref = run(model, slots=4, steps=7, continuous=continuous, round_loop="early_exit")
+        fixed, out = run(model, slots=4, steps=7, continuous=continuous, round_loop="fixed")
+        assert fixed.fixed_rounds and not early.fixed_rounds
+        assert fixed.rounds == early.rounds > 3
+        for k, v in as_np(out).items():
+            np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"continuous={continuous} {k}")
+    key_a = jax.eval_shape(lambda: jax.random.key(0))
+    for engine, trip_count in ((fixed, '"known_trip_count":{"n":"7"}'), (early, None)):
+        hlo = smp._decode_round.with_options(()).lower(
+            engine._graph, engine.state, engine._abstract_slots(4, 64), key_a, *smp._hyper(CFG),
+            policy=engine.policy, st=engine.st, steps=7, fixed=engine.fixed_rounds).compile().as_text()
+        # The round's own loop (XLA:CPU's threefry adds inner loops of 5 rounds; on a GPU it is unrolled).
+        (loop,) = [line for line in hlo.splitlines()
+                   if " while(" in line and 'op_name="jit(_decode_round)/while"' in line]
+        assert (trip_count in loop) if trip_count else ("known_trip_count" not in loop)
+    assert not run(model, slots=2, n=1, prompts=PROMPTS[:1])[0].fixed_rounds  # auto on a CPU
+    assert [smp.fixed_round_loop("auto", p) for p in ("gpu", "cpu", "tpu")] == [True, False, False]
 
 
 @contextlib.contextmanager

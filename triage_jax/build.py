@@ -136,7 +136,8 @@ def engine_config(c: ml_collections.ConfigDict):
     return EngineConfig(max_slots=slots, max_len=c.sampler.max_prompt_len + c.sampler.max_new_tokens,
                         steps_per_round=c.sampler.steps_per_round, prefill_batch=c.sampler.prefill_batch,
                         max_prompt_len=c.sampler.max_prompt_len, compact_tail=c.sampler.compact_tail,
-                        xla_options=xla_options(c), compile_ahead=bool(c.sampler.compile_ahead))
+                        xla_options=xla_options(c), compile_ahead=bool(c.sampler.compile_ahead),
+                        round_loop=c.sampler.round_loop)
 
 
 def triage(c: ml_collections.ConfigDict) -> TriageConfig:

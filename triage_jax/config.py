@@ -122,6 +122,10 @@ def base_config() -> ml_collections.ConfigDict:
     # in the background once the rollout runs, so responses growing into them do not stall it to compile
     # (sampler.EngineConfig.compile_ahead).
     c.sampler.compile_ahead = True
+    # The decode round's loop (sampler.EngineConfig.round_loop): "fixed" (steps_per_round steps: a known trip count,
+    # no host round trip per step on a GPU), "early_exit" (stops once every response is done) or "auto" (fixed on
+    # GPUs, early_exit elsewhere). The same tokens either way.
+    c.sampler.round_loop = "auto"
 
     c.learner = ml_collections.ConfigDict()
     c.learner.precision = "bf16"
@@ -273,6 +277,9 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             _fail(key, f"must be >= 1, got {c[sect][name]}")
     if int(c.sampler.compact_tail) == 1 or int(c.sampler.compact_tail) < 0:
         _fail("sampler.compact_tail", f"must be 0 (never) or >= 2, got {c.sampler.compact_tail}")
+    from triage_jax.sampler import ROUND_LOOPS
+
+    _one_of(c, "sampler.round_loop", ROUND_LOOPS)
     try:
         from triage_jax.sampler import check_xla_options
 

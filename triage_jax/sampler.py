@@ -369,16 +369,18 @@ def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key
                                                          jnp.float32).at[:, 0].set(logp_m), mode="drop"))
 
 
-@_program(static_argnames=("graphdef", "policy", "st", "steps"), donate_argnames=("slots",))
+@_program(static_argnames=("graphdef", "policy", "st", "steps", "fixed"), donate_argnames=("slots",))
 def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s, *, policy, st: _Static,
-                  steps: int):
-    """Up to `steps` decode steps of every active slot (fewer when all are done): feed each slot's last token,
-    draw the next one."""
+                  steps: int, fixed: bool = False):
+    """`steps` decode steps of every active slot: feed each slot's last token, draw the next one. Fewer once every
+    slot is done, unless `fixed`: then always `steps` (a step with no active slot changes nothing), so the loop's
+    trip count is a compile-time constant and XLA:GPU runs it without copying the loop condition to the host and
+    waiting for the device at every step (EngineConfig.round_loop)."""
     rows_s = jnp.arange(slots.tok.shape[0])
 
     def cond(c):
         i, sl, _ = c
-        return (i < steps) & jnp.any(sl.active)
+        return i < steps if fixed else (i < steps) & jnp.any(sl.active)
 
     def body(c):
         i, sl, st_w = c
@@ -437,6 +439,14 @@ def _harvest(slots: Slots, slot_k):
     return slots.out_tok[slot_k], slots.out_logp[slot_k], exp
 
 
+ROUND_LOOPS = ("auto", "fixed", "early_exit")  # EngineConfig.round_loop
+
+
+def fixed_round_loop(round_loop: str, platform: str) -> bool:
+    """Whether the decode round runs a fixed number of steps (EngineConfig.round_loop) on devices of `platform`."""
+    return round_loop == "fixed" or (round_loop == "auto" and platform == "gpu")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Slots and scheduling. `max_len` bounds a sequence (prompt + response); `continuous=False` runs static
@@ -468,6 +478,14 @@ class EngineConfig:
     # the rollout while it compiles (a long response crosses several buckets in the first rollout). Off by
     # default: it compiles programs a short generate never uses.
     compile_ahead: bool = False
+    # The decode round's loop (ROUND_LOOPS): "early_exit" stops a round once every slot is done, which makes its
+    # trip count data-dependent: XLA:GPU then copies the loop condition to the host and blocks until the device is
+    # idle before each step (its WhileThunk), so the host cannot queue a step's kernels while the previous step
+    # runs. "fixed" always runs steps_per_round steps (a known trip count: no per-step host round trip; the last
+    # round of a generate may compute up to steps_per_round - 1 steps with no active slot, changing nothing).
+    # "auto": fixed on GPUs, early_exit elsewhere (XLA:CPU evaluates the condition in place; TPUs on device).
+    # Tokens and log-probs are the same bits either way.
+    round_loop: str = "auto"
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
@@ -477,6 +495,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.compact_tail must be 0 (never) or >= 2, got {self.compact_tail}")
         if self.max_prompt_len < 0:
             raise ValueError(f"EngineConfig.max_prompt_len must be >= 0 (0: not known), got {self.max_prompt_len}")
+        if self.round_loop not in ROUND_LOOPS:
+            raise ValueError(f"EngineConfig.round_loop must be one of {ROUND_LOOPS}, got {self.round_loop!r}")
         object.__setattr__(self, "xla_options", check_xla_options(tuple(self.xla_options)))
 
 
@@ -507,6 +527,8 @@ class Engine:
         self.st = _static(cfg, pad_id, self.policy.exact)
         self.pad_id = int(pad_id)
         self.record_routing = bool(record_routing)
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        self.fixed_rounds = fixed_round_loop(config.round_loop, platform)  # the decode round's loop, resolved
         self.rounds = 0  # decode rounds run by the last generate (steps <= rounds * steps_per_round)
         self.capacities: list[int] = []  # the cache capacity of each of those rounds
         self.slot_counts: list[int] = []  # and its number of slots (smaller once the tail is compacted)
@@ -679,12 +701,12 @@ class Engine:
             compiled = prefill.lower(*pre_args(), **pre_kw).compile()
             insert(_abstract(pre_out, compiled.output_shardings))
 
-        decode = functools.partial(self._compile_decode, s, cap_dec, key_a)
+        decode = [functools.partial(self._compile_decode, s, cap_dec, key_a)] if st.max_new_tokens > 1 else []
         if self.mesh is not None:
-            return [prefill_then_insert, decode]
+            return [prefill_then_insert, *decode]
         # One device: a jit call's uncommitted inputs and a single-device program's outputs both key the compile
         # cache like an abstract value without a sharding, so the three compile side by side.
-        return [lambda: prefill.lower(*pre_args(), **pre_kw).compile(), lambda: insert(pre_out), decode]
+        return [lambda: prefill.lower(*pre_args(), **pre_kw).compile(), lambda: insert(pre_out), *decode]
 
     def _compile_first_round(self, prompts, key, n: int) -> None:
         """Run `_first_round_programs` on threads and wait for them (already compiled: milliseconds). A failure
@@ -756,7 +778,7 @@ class Engine:
         temperature, top_p, stop_s = _hyper(self.cfg)
         _decode_round.with_options(self.config.xla_options).lower(
             self._graph, self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s,
-            policy=self.policy, st=self.st, steps=self.config.steps_per_round).compile()
+            policy=self.policy, st=self.st, steps=self.config.steps_per_round, fixed=self.fixed_rounds).compile()
 
     def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots
@@ -823,15 +845,16 @@ class Engine:
             cap = self._capacity(need)
             if cap != slots.cache.max_len and (cap > slots.cache.max_len or cap <= slots.cache.max_len // 2):
                 slots = _resize(slots, capacity=max(cap, self._capacity(int(host_len[occupied].max()) + 1)))
-            self._wait_ahead(slots.tok.shape[0], slots.cache.max_len, key)
-            slots = _decode_round.with_options(c.xla_options)(
-                self._graph, self.state, slots, key, temperature, top_p, stop_s, policy=self.policy, st=st,
-                steps=c.steps_per_round)
-            if c.compile_ahead:
-                self._start_ahead(slots.tok.shape[0], slots.cache.max_len, key)
-            self.rounds += 1
-            self.capacities.append(slots.cache.max_len)
-            self.slot_counts.append(slots.tok.shape[0])
+            if r > 1:  # (one-token responses all ended at the insert's draw: nothing to decode)
+                self._wait_ahead(slots.tok.shape[0], slots.cache.max_len, key)
+                slots = _decode_round.with_options(c.xla_options)(
+                    self._graph, self.state, slots, key, temperature, top_p, stop_s, policy=self.policy, st=st,
+                    steps=c.steps_per_round, fixed=self.fixed_rounds)
+                if c.compile_ahead:
+                    self._start_ahead(slots.tok.shape[0], slots.cache.max_len, key)
+                self.rounds += 1
+                self.capacities.append(slots.cache.max_len)
+                self.slot_counts.append(slots.tok.shape[0])
             active, n_gen = jax.device_get((slots.active, slots.n_gen))
             finished = [slot for slot in occupied if not active[slot]]
             for slot in occupied:

@@ -207,7 +207,8 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
     with engine._context():
         decode = smp._decode_round.with_options(opts).lower(graphdef, state, abstract_slots, key, f32, f32, stop,
                                                             policy=policy, st=st,
-                                                            steps=c.sampler.steps_per_round).compile()
+                                                            steps=c.sampler.steps_per_round,
+                                                            fixed=engine.fixed_rounds).compile()
         pb, p = engine.prefill_batch, min(smp.bucket_length(c.sampler.max_prompt_len), cache_len)
         pre = jax.eval_shape(lambda: smp._prefill(graphdef, state, jnp.zeros((pb, p), jnp.int32),
                                                   jnp.ones((pb, p), bool), jnp.zeros((model_cfg.num_hidden_layers,)),
