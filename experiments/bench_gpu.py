@@ -18,7 +18,8 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
 (b) engine: Qwen3-0.6B / 4B shapes (random init, bf16), batch 64 and 256, prompt 256, 256 new tokens: decode tok/s
     of the samplers of --samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
     bf16 on the same GPU, the same weights); the fraction of the memory roofline (weight + KV bytes read per decode
-    step / step time / copy bandwidth); the first call's seconds (compile included) in a fresh process, with an
+    step / step time / copy bandwidth); the kernels one decode step launches (ops/step: the work instructions in
+    the compiled decode loop's body, by kind: fusions, GEMM custom calls, copies); the first call's seconds (compile included) in a fresh process, with an
     empty and with a filled persistent compilation cache. Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the
     engine compiled with command buffers over its decode loop too / with none: is the step launch-bound, and do
     CUDA graphs fix it?), `bf16_exit` (decode rounds that exit early: a host round trip per step, the CPU's
@@ -32,9 +33,11 @@ Prints a table per part and one JSON line (`"bench": "gpu"`).
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -188,13 +191,57 @@ def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int, xla
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, model.cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
     prepared = prepare_model(model, policy)
-    calls = []
+    calls, engines = [], []
     for tokens in (new_tokens, 1):
         eng = Engine(SamplingConfig(max_new_tokens=tokens), EngineConfig(
             max_slots=batch, max_len=prompt_len + new_tokens, max_prompt_len=prompt_len, prefill_batch=batch,
             xla_options=xla_options, **engine_kw), policy=policy, model=prepared)
         calls.append(lambda e=eng: e.generate(prompts, jax.random.key(0)).tokens)
-    return calls, prompts
+        engines.append(eng)
+    return calls, prompts, engines[0]
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = .*?[\]\})] ([a-z][a-z0-9\-]*)\((.*)$")
+# Instructions that launch no work (tuple plumbing, views, constants).
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "opt-barrier",
+              "partition-id", "replica-id", "add-dependency"}
+
+
+def step_ops(hlo: str, loop: str = "jit(_decode_round)/while") -> dict:
+    """Instructions per iteration of the loop `loop` (its op_name) in optimized HLO text, by opcode: the
+    kernels (fusions, GEMM custom calls, copies, ...) one decode step launches. A nested loop counts its body
+    times its known trip count (once if unknown); a call counts its callee."""
+    comps, body = {}, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith(" "):
+            body = comps[m.group(1)] = []
+        elif line.startswith("}"):
+            body = None
+        elif body is not None:
+            body.append(line)
+    head = next((x for c in comps.values() for x in c if " while(" in x and f'op_name="{loop}"' in x), None)
+    if head is None:
+        raise ValueError(f"no while loop named {loop!r} in the HLO")
+    ops = collections.Counter()
+
+    def count(name, times):
+        for line in comps[name]:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(1) in _NO_KERNEL:
+                continue
+            op, rest = m.groups()
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+                count(re.search(r"body=%?([\w.\-]+)", rest).group(1), times * (int(trips.group(1)) if trips else 1))
+            elif op == "call":
+                count(re.search(r"to_apply=%?([\w.\-]+)", rest).group(1), times)
+            else:
+                ops[op] += times
+
+    count(re.search(r"body=%?([\w.\-]+)", head).group(1), 1)
+    return dict(ops.most_common())
 
 
 def _hf_call(model, prompts, new_tokens):
@@ -236,15 +283,16 @@ def bench_engine(args, bw: float) -> list[dict]:
                    if any(s.endswith("_scan") for s in args.samplers) else None)
         params_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         for b in args.batches:
-            sides, labels = [], []
+            sides, labels, engines = [], [], {}
             for label in args.samplers:
                 preset, _, layout = label.partition("_")
                 try:
                     policy = sampler_policy(preset, backend=LAYOUT_BACKENDS[layout])
-                    calls, prompts = _engine_run(scanned if layout == "scan" else model, policy, b,
+                    calls, prompts, engine = _engine_run(scanned if layout == "scan" else model, policy, b,
                                                  args.prompt_len, args.new_tokens,
                                                  ENGINE_XLA_OPTIONS.get(layout, ()),
                                                  **ENGINE_CONFIGS.get(layout, {}))
+                    engines[label] = engine
                 except Exception as e:  # recorded as this sampler's error by interleaved
                     calls = [functools.partial(_reraise, e)] * 2
                 sides += calls
@@ -270,6 +318,8 @@ def bench_engine(args, bw: float) -> list[dict]:
                 if wbytes is not None:
                     moved = wbytes + b * mean_ctx * kv_per_tok
                     row["roofline_frac"] = moved / step / bw
+                if label in engines:
+                    row.update(_decode_ops(engines[label]))
                 rows.append(row)
             base = next(r for r in rows if r["model"] == name and r["batch"] == b and r["sampler"] == "bf16")
             for r in rows:
@@ -280,13 +330,26 @@ def bench_engine(args, bw: float) -> list[dict]:
     return rows
 
 
+def _decode_ops(engine) -> dict:
+    """The kernels one decode step of this (warm) engine launches, from its first round's compiled program (the
+    compile cache's: nothing compiles again): ops_step (total) and ops_by_kind."""
+    try:
+        hlo = engine.compile_decode(engine.slot_counts[0], engine.capacities[0], jax.random.key(0)).as_text()
+        ops = step_ops(hlo)
+    except Exception as e:  # a diagnostic only: never costs the row
+        return {"ops_error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {"ops_step": sum(ops.values()), "ops_by_kind": ops}
+
+
 def _print_engine_row(r: dict) -> None:
     if "error" in r:
         print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>12} FAILED {r['error']}", flush=True)
         return
-    rf = r.get("roofline_frac")
+    rf, ops = r.get("roofline_frac"), r.get("ops_by_kind")
+    top = ", ".join(f"{k} {v}" for k, v in list(ops.items())[:4]) if ops else r.get("ops_error", "")
     print(f"{r['model']:>12} {r['batch']:>5} {r['sampler']:>12} {r['decode_tok_s']:>9.0f} {r['step_ms']:>8.2f} "
-          f"{r['vs_bf16']:>7.2f} {'-' if rf is None else f'{rf:.0%}':>8}", flush=True)
+          f"{r['vs_bf16']:>7.2f} {'-' if rf is None else f'{rf:.0%}':>8} {r.get('ops_step', '-'):>8}  {top}",
+          flush=True)
 
 
 FIRST_CALL = """
@@ -432,7 +495,8 @@ def main(argv=None) -> dict:
         print(f"best layouts: {res['gemm_best']}; targets: {res['gemm_targets']}")
     if "engine" in args.parts:
         print(f"\n(b) engine decode, prompt {args.prompt_len}, {args.new_tokens} new tokens, random init, bf16")
-        print(f"{'model':>12} {'batch':>5} {'sampler':>12} {'tok/s':>9} {'ms/step':>8} {'x bf16':>7} {'roofline':>8}",
+        print(f"{'model':>12} {'batch':>5} {'sampler':>12} {'tok/s':>9} {'ms/step':>8} {'x bf16':>7} {'roofline':>8} "
+              f"{'ops/step':>8}  (most: kind count)",
               flush=True)
         res["engine"] = bench_engine(args, bw)
     if "first_call" in args.parts:

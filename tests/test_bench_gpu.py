@@ -15,3 +15,26 @@ def test_a_failing_variant_is_an_error_row_and_the_run_goes_on(monkeypatch, caps
     assert res["gemm_best"]["w4a16_m1_16"][1] == "w4a16" and res["gemm_best"]["w4a4_m1_16"] == (None, None)
     assert res["gemm_targets"]["w4a4_2x_at_m_le_16"] is None  # no w4a4 row ran: no verdict, not a failure
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_step_ops_counts_the_kernels_of_one_loop_iteration():
+    """The engine table's ops/step: the work instructions of one iteration of the named loop in optimized HLO, a
+    nested loop's body counted its known trip count times (the sort here runs 3 times per outer iteration), tuple
+    plumbing not at all; a loop that is not there is an error naming it."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    def f(x):
+        def body(c):
+            i, y = c
+            y = jax.lax.fori_loop(0, 3, lambda j, z: jnp.sort(z * 1.5) + 1.0, y)
+            return i + 1, jnp.cumsum(y) * 0.5
+        return jax.lax.while_loop(lambda c: c[1].sum() < 100.0, body, (0, x))
+
+    hlo = jax.jit(f).lower(jnp.arange(8.0)).compile().as_text()
+    ops = bg.step_ops(hlo, loop="jit(f)/while")
+    assert ops["sort"] == 3 and ops.get("fusion", 0) >= 3
+    assert not {"parameter", "tuple", "get-tuple-element", "constant"} & set(ops)
+    with pytest.raises(ValueError, match="no while loop named 'jit\\(g\\)/while'"):
+        bg.step_ops(hlo, loop="jit(g)/while")

@@ -273,3 +273,13 @@ def test_warm_generate_never_hashes_the_graphdef(model, monkeypatch):
     graph = engine._graph
     engine.load(model)  # the trainer's sync: the same structure again
     assert engine._graph is graph
+
+
+def test_compile_decode_returns_the_program_a_round_ran(model):
+    """Engine.compile_decode (what bench_gpu reads a decode step's kernels from): for a slot count and capacity a
+    round ran at, the program comes from the compile cache (no compile) and holds the round's loop."""
+    engine, _ = run(model, slots=4, round_loop="fixed")
+    with engine_compiles("jit(_decode_round)") as compiled:
+        hlo = engine.compile_decode(engine.slot_counts[0], engine.capacities[0], jax.random.key(5)).as_text()
+    assert compiled == []
+    assert '"known_trip_count":{"n":"4"}' in hlo and 'op_name="jit(_decode_round)/while"' in hlo

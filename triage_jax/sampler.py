@@ -773,12 +773,19 @@ class Engine:
                                                     jnp.dtype(self.model_cfg.dtype), self.record_routing))
         return _abstract(empty, self.slot_shardings(empty) if self.mesh is not None else None)
 
-    def _compile_decode(self, count: int, capacity: int, key_a) -> None:
-        """Compile the decode round for `count` slots at `capacity` (the arguments `_generate` passes it)."""
+    def compile_decode(self, count: int, capacity: int, key):
+        """The decode round for `count` slots at KV capacity `capacity`, compiled for the arguments a generate
+        passes it (`key`: the generate's key, or its abstract value), e.g. to read its optimized HLO; a round
+        that ran or compiled before is not compiled again."""
+        key_a = jax.ShapeDtypeStruct(jnp.shape(key), key.dtype)
         temperature, top_p, stop_s = _hyper(self.cfg)
-        _decode_round.with_options(self.config.xla_options).lower(
-            self._graph, self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s,
-            policy=self.policy, st=self.st, steps=self.config.steps_per_round, fixed=self.fixed_rounds).compile()
+        with self._context():
+            return _decode_round.with_options(self.config.xla_options).lower(
+                self._graph, self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s,
+                policy=self.policy, st=self.st, steps=self.config.steps_per_round, fixed=self.fixed_rounds).compile()
+
+    def _compile_decode(self, count: int, capacity: int, key_a) -> None:
+        self.compile_decode(count, capacity, key_a)
 
     def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots
