@@ -19,8 +19,9 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     of the samplers of --samplers (batch x 255 / (t(256 tokens) - t(1 token))) and of HF `generate` (torch
     bf16 on the same GPU, the same weights); the fraction of the memory roofline (weight + KV bytes read per decode
     step / step time / copy bandwidth); the kernels one decode step launches (ops/step: the work instructions in
-    the compiled decode loop's body, by kind: fusions, GEMM custom calls, copies); the first call's seconds (compile included) in a fresh process, with an
-    empty and with a filled persistent compilation cache. Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the
+    the compiled decode loop's body, by kind: fusions, GEMM custom calls, copies); the first call's seconds
+    (compile included) in a fresh process, with an empty and with a filled persistent compilation cache.
+    Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the
     engine compiled with command buffers over its decode loop too / with none: is the step launch-bound, and do
     CUDA graphs fix it?), `bf16_exit` (decode rounds that exit early: a host round trip per step, the CPU's
     loop; every other sampler runs the GPU's fixed rounds), `bf16_scan` (the model with scan_layers=True: does
