@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,40 @@ def test_run_writes_logs_checkpoint_summary(tmp_path):
     assert "reward/mean" in s["metrics"]
     assert json.load(open(os.path.join(c.run_dir, "summary.json")))["steps"] == 4
     assert json.load(open(os.path.join(c.run_dir, "config.json")))["rl"]["group_size"] == 4
+
+
+def test_learner_programs_compile_ahead_while_the_rollout_generates(tmp_path):
+    """learner.compile_ahead="on": once the rollout's prompts are known, the learner's log-probs, corrections and
+    update for their width compile on background threads, and the step's own calls compile none of them again (a
+    mismatch with the arguments they pass would, on the main thread); the step's metrics are the bits of a run
+    without it. "auto" is off on this CPU (the compiles would share its cores with the rollout). A response
+    length no other test uses: no earlier test's persistent-cache entry hides a compile."""
+    from jax import monitoring
+
+    programs = ("jit(_logprobs_impl)", "jit(prepare)", "jit(_update_impl)")
+    compiled = []
+
+    def listen(event, secs, **kw):
+        if event.endswith("backend_compile_duration") and kw.get("fun_name") in programs:
+            compiled.append((kw["fun_name"], threading.current_thread().name))
+
+    steps = {}
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for ahead in ("on", "off"):
+            c = small_config(tmp_path / ahead, **{"learner.compile_ahead": ahead, "sampler.max_new_tokens": 11,
+                                                  "train.steps": 1, "train.energy_every": 0})
+            tr = Trainer(c)
+            assert tr.learner_compile_ahead == (ahead == "on")
+            steps[ahead] = tr.run()[0]
+            if ahead == "on":
+                assert sorted(p for p, _ in compiled) == sorted(programs), compiled  # each once
+                assert all(t.startswith("learner-compile") for _, t in compiled), compiled
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    np.testing.assert_equal({k: v for k, v in steps["on"].items() if not k.startswith("time/")},
+                            {k: v for k, v in steps["off"].items() if not k.startswith("time/")})
+    assert not Trainer(small_config(tmp_path / "auto", **{"train.steps": 1})).learner_compile_ahead
 
 
 @pytest.mark.slow  # three trainers: ~2 min on the shared 2-core CPU

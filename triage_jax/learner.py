@@ -353,6 +353,51 @@ class Learner:
         self.version += 1
         return out
 
+    # ------------------------------------------------------------------------------------------ compile ahead
+    def compile_thunks(self, n: int, prompt_len: int, resp_len: int, *, mini_batch: int, behaviour: bool = False,
+                       null_key=None) -> list:
+        """Thunks that compile the programs a step runs on an n-response rollout of [prompt_len | resp_len] tokens,
+        for the arguments it passes them: the log-probs (one program for the learner's, the reference's and a
+        stale rollout's behaviour weights: same shapes), the corrections + diagnostics (`behaviour`: a stale
+        rollout's; `null_key`: the step's key or its abstract value, or None) and the update of a mini_batch-row
+        slice. Run on threads while the rollout generates (the trainer's `learner_compile_ahead`), the step's own
+        calls then find them compiled; a call with other arguments (MoE routing replay) compiles as before.
+        Each thunk lowers and compiles inside the learner's mesh context: a program compiled outside it is not the
+        one a call inside it looks up (measured: the update compiled twice)."""
+        s = prompt_len + resp_len
+        rows = shd.batch_sharding(self.mesh, 2, self.rules)  # shard_batch's
+        ids_a, am_a = jax.ShapeDtypeStruct((n, s), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((n, s), jnp.bool_,
+                                                                                                  sharding=rows)
+        # prepare's host inputs arrive as uncommitted arrays (jnp.asarray of the rollout's NumPy arrays).
+        host = {name: jax.ShapeDtypeStruct(shape, dt) for name, shape, dt in (
+            ("input_ids", (n, s), jnp.int32), ("attn_mask", (n, s), jnp.bool_), ("resp_mask", (n, resp_len), F32),
+            ("adv", (n,), F32), ("sampler_logp", (n, resp_len), F32))}
+        key_a = None if null_key is None else jax.ShapeDtypeStruct(jnp.shape(null_key), null_key.dtype)
+
+        def logprobs():
+            return self._logprobs.lower(self.params, ids_a, am_a, resp_len, None).compile()
+
+        def prepare(logp_sharding=None):
+            logp = jax.ShapeDtypeStruct((n, resp_len), F32, sharding=logp_sharding)
+            self._prepare.lower(host["input_ids"], host["attn_mask"], host["resp_mask"], host["adv"],
+                                host["sampler_logp"], logp, logp, None, logp if behaviour else None,
+                                null_key=key_a).compile()
+
+        def logprobs_then_prepare():
+            # The log-probs reach prepare laid out as their program's output (known once compiled); prepare is
+            # called outside the mesh context, so it compiles outside it.
+            prepare(self._in_context(logprobs).output_shardings[0])
+
+        def update():
+            self._in_context(lambda: self._update.lower(
+                self.params, self.opt_state, self.abstract_batch(mini_batch, prompt_len, resp_len)).compile())
+
+        return [logprobs_then_prepare, update]
+
+    def _in_context(self, thunk):
+        with shd.activate(self.mesh, self.rules):  # per thread: a compiling thread enters it
+            return thunk()
+
     # ------------------------------------------------------------------------------------------ dry-run
     def abstract_batch(self, n: int, prompt_len: int, resp_len: int) -> RolloutBatch:
         """A sharded ShapeDtypeStruct RolloutBatch of n responses of [prompt_len | resp_len] tokens."""

@@ -81,10 +81,11 @@ def layout(prompts: Sequence[Sequence[int]], tokens_nr, mask_nr, *, prompt_len: 
 
 
 def sample_groups(engine: sampler_lib.Engine, examples, *, tok, group_size: int, prompt_len: int, key,
-                  overlong_buffer: int = 0, overlong_factor: float = 1.0, reward: str = "dapo"
-                  ) -> tuple[Rollout, float]:
+                  overlong_buffer: int = 0, overlong_factor: float = 1.0, reward: str = "dapo",
+                  before_generate: Callable[[list[list[int]]], None] | None = None) -> tuple[Rollout, float]:
     """G sampled, scored responses of each example (rows grouped by prompt; each prompt prefilled once);
-    returns (rollout, scoring seconds).
+    returns (rollout, scoring seconds). `before_generate(prompts)` sees the tokenized prompts first (the trainer
+    starts compiling the learner's programs for their width).
 
     The reward is the DAPO correctness reward plus, with a buffer, the overlong penalty over L =
     `engine.cfg.max_new_tokens`; `correct` keeps the bare correctness for dynamic sampling.
@@ -93,6 +94,8 @@ def sample_groups(engine: sampler_lib.Engine, examples, *, tok, group_size: int,
     unique = [tok.encode_prompt(ex.prompt) for ex in examples]
     if max(map(len, unique)) > prompt_len:
         raise ValueError(f"a {max(map(len, unique))}-token prompt exceeds config.sampler.max_prompt_len={prompt_len}")
+    if before_generate is not None:
+        before_generate(unique)
     out = engine.generate(unique, key, n=group_size)
     prompts = [p for p in unique for _ in range(group_size)]
     tokens = np.asarray(out.tokens)[:, :r]

@@ -32,7 +32,6 @@ so a token's numerics do not depend on the other tokens of its batch or on prefi
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -48,6 +47,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
+from triage_jax import background
 from triage_jax.logprobs import lm_head_logits, logprob_of
 from triage_jax.models import kv_cache as kvc
 from triage_jax.models.moe import routing_dtype
@@ -248,26 +248,6 @@ class _Program:
 
 def _program(**jit_kw):
     return lambda fn: _Program(fn, **jit_kw)
-
-
-_AHEAD_STOP = threading.Event()
-_AHEAD_THREADS: list = []
-
-
-def _stop_compiles_ahead() -> None:
-    """At exit: let the compile-ahead threads finish the compile under way and start no other. (A thread still
-    inside XLA's compiler when the interpreter finalizes aborts the process.)"""
-    _AHEAD_STOP.set()
-    for t in _AHEAD_THREADS:
-        t.join()
-
-
-def _start_ahead_thread(thread: threading.Thread) -> None:
-    if not _AHEAD_THREADS:
-        # Registered after JAX's own exit handlers, so it runs before them (atexit runs last-in first-out).
-        atexit.register(_stop_compiles_ahead)
-    _AHEAD_THREADS[:] = [t for t in _AHEAD_THREADS if t.is_alive()] + [thread]
-    thread.start()
 
 
 class StaticGraph:
@@ -741,7 +721,7 @@ class Engine:
 
         def work():
             for cap, f in todo.items():
-                if _AHEAD_STOP.is_set():  # the process is exiting: compile nothing more
+                if background.stopping():  # the process is exiting: compile nothing more
                     f.set_exception(RuntimeError("compile-ahead stopped at exit"))
                     continue
                 try:
@@ -750,10 +730,9 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 - reported by the real call, which compiles it again
                     f.set_exception(e)
 
-        # A daemon thread, stopped and joined at exit (`_stop_compiles_ahead`): a process that ends waits for at
+        # A daemon thread, stopped and joined at exit (triage_jax.background): a process that ends waits for at
         # most the compile under way, not for programs it will never run.
-        thread = threading.Thread(target=work, name="engine-compile-ahead", daemon=True)
-        _start_ahead_thread(thread)
+        background.start(threading.Thread(target=work, name="engine-compile-ahead", daemon=True))
 
     def _wait_ahead(self, count: int, capacity: int, key) -> None:
         """Before a decode round: if its program is being compiled ahead, wait for that (not compile it twice)."""

@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from triage_jax import build, sampler
+from triage_jax import background, build, sampler
 from triage_jax import checkpoint as ckpt_lib
 from triage_jax import deltas
 from triage_jax import rollout as rollout_lib
@@ -136,6 +136,11 @@ class Trainer:
         self.monitor_cfg = build.monitor(c)
         self.monitor_state = monitor_lib.MonitorState()
         self.alarm_switched = False  # monitor.action='enable_correction' has switched the correction on
+        # learner.compile_ahead: prompt width -> the futures of its learner programs compiling in the background.
+        self._learner_ahead: dict[int, list[concurrent.futures.Future]] = {}
+        ahead = c.learner.compile_ahead
+        self.learner_compile_ahead = ahead == "on" or (
+            ahead == "auto" and self.learner.mesh.devices.flat[0].platform != "cpu")
         self._sync()
         self._startup_check()
 
@@ -193,7 +198,8 @@ class Trainer:
             ro, secs = rollout_lib.sample_groups(
                 self.engine, next(self.loader), tok=self.tok,
                 group_size=self.G, prompt_len=self.P, key=jax.random.fold_in(key, attempt),
-                overlong_buffer=c.rl.overlong_buffer, overlong_factor=c.rl.overlong_factor)
+                overlong_buffer=c.rl.overlong_buffer, overlong_factor=c.rl.overlong_factor,
+                before_generate=self._compile_learner_ahead if attempt == 0 else None)
             reward_s += secs
             return ro
 
@@ -204,6 +210,26 @@ class Trainer:
         # The learner's rows keep only the prompt columns some prompt fills (the forwards cost what they hold).
         ro = rollout_lib.trim_prompt_padding(rollout_lib.spread_fill(ro, self.n_mini))
         return ro, stats, reward_s
+
+    def _compile_learner_ahead(self, prompts) -> None:
+        """learner.compile_ahead: start compiling the learner's programs for these prompts' width (the width the
+        rollout gets unless dynamic sampling drops the longest prompt's group) on background threads, while the
+        engine generates; `_learn` waits for them. Not with MoE routing replay (its calls pass routing)."""
+        c = self.cfg
+        if not self.learner_compile_ahead or c.rl.routing_replay:
+            return
+        width = rollout_lib.prompt_width(max(map(len, prompts)), self.P)
+        if width in self._learner_ahead:
+            return
+        thunks = self.learner.compile_thunks(self.N, width, self.R, mini_batch=c.rl.mini_batch,
+                                             behaviour=bool(self.staleness), null_key=self.null_key(self.step))
+        self._learner_ahead[width] = background.run(thunks, "learner-compile")
+
+    def _wait_learner_ahead(self, width: int) -> None:
+        """Before the learner's calls on a rollout of this prompt width: wait for its programs if compiling ahead
+        (else the calls would compile them a second time). A failed compile is left to the call to report."""
+        for f in self._learner_ahead.get(width, ()):
+            f.exception()
 
     # ---------------------------------------------------------------------------------------------- stale rollouts
     def _key(self, step: int) -> jax.Array:
@@ -326,6 +352,7 @@ class Trainer:
         them, which split the mismatch into precision and staleness."""
         c = self.cfg
         t0 = time.perf_counter()
+        self._wait_learner_ahead(ro.input_ids.shape[1] - self.R)
         # With rl.routing_replay the rollout carries the sampler's MoE expert ids: every learner forward replays them.
         old_logp, entropy = self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, routing=ro.routing)
         ref_logp = (self.learner.logprobs(ro.input_ids, ro.attn_mask, self.R, params=self.ref_params,
@@ -425,6 +452,7 @@ class Trainer:
 
     def _switch_correction(self) -> None:
         self.learner.set_correction(*build.alarm_correction(self.cfg, self.model_cfg))
+        self._learner_ahead.clear()  # programs of the replaced correction: the new ones compile anew
         self.alarm_switched = True
 
     def _replay_monitor(self) -> None:
