@@ -373,9 +373,12 @@ class Learner:
             ("input_ids", (n, s), jnp.int32), ("attn_mask", (n, s), jnp.bool_), ("resp_mask", (n, resp_len), F32),
             ("adv", (n,), F32), ("sampler_logp", (n, resp_len), F32))}
         key_a = None if null_key is None else jax.ShapeDtypeStruct(jnp.shape(null_key), null_key.dtype)
+        # Abstract state, taken now: the thunks run while updates may donate (delete) the current arrays.
+        params_a, opt_a = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+                           for t in (self.params, self.opt_state))
 
         def logprobs():
-            return self._logprobs.lower(self.params, ids_a, am_a, resp_len, None).compile()
+            return self._logprobs.lower(params_a, ids_a, am_a, resp_len, None).compile()
 
         def prepare(logp_sharding=None):
             logp = jax.ShapeDtypeStruct((n, resp_len), F32, sharding=logp_sharding)
@@ -390,7 +393,7 @@ class Learner:
 
         def update():
             self._in_context(lambda: self._update.lower(
-                self.params, self.opt_state, self.abstract_batch(mini_batch, prompt_len, resp_len)).compile())
+                params_a, opt_a, self.abstract_batch(mini_batch, prompt_len, resp_len)).compile())
 
         return [logprobs_then_prepare, update]
 
