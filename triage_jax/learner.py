@@ -362,12 +362,13 @@ class Learner:
         rollout's; `null_key`: the step's key or its abstract value, or None) and the update of a mini_batch-row
         slice. Run on threads while the rollout generates (the trainer's `learner_compile_ahead`), the step's own
         calls then find them compiled; a call with other arguments (MoE routing replay) compiles as before.
-        Each thunk lowers and compiles inside the learner's mesh context: a program compiled outside it is not the
-        one a call inside it looks up (measured: the update compiled twice)."""
+        Each program compiles in the context its call runs in (log-probs and update inside the mesh context,
+        prepare outside it): compiled in the other context it is another cache entry (measured: the update
+        compiled twice)."""
         s = prompt_len + resp_len
         rows = shd.batch_sharding(self.mesh, 2, self.rules)  # shard_batch's
-        ids_a, am_a = jax.ShapeDtypeStruct((n, s), jnp.int32, sharding=rows), jax.ShapeDtypeStruct((n, s), jnp.bool_,
-                                                                                                  sharding=rows)
+        ids_a = jax.ShapeDtypeStruct((n, s), jnp.int32, sharding=rows)
+        am_a = jax.ShapeDtypeStruct((n, s), jnp.bool_, sharding=rows)
         # prepare's host inputs arrive as uncommitted arrays (jnp.asarray of the rollout's NumPy arrays).
         host = {name: jax.ShapeDtypeStruct(shape, dt) for name, shape, dt in (
             ("input_ids", (n, s), jnp.int32), ("attn_mask", (n, s), jnp.bool_), ("resp_mask", (n, resp_len), F32),
@@ -380,7 +381,7 @@ class Learner:
         def logprobs():
             return self._logprobs.lower(params_a, ids_a, am_a, resp_len, None).compile()
 
-        def prepare(logp_sharding=None):
+        def prepare(logp_sharding):
             logp = jax.ShapeDtypeStruct((n, resp_len), F32, sharding=logp_sharding)
             self._prepare.lower(host["input_ids"], host["attn_mask"], host["resp_mask"], host["adv"],
                                 host["sampler_logp"], logp, logp, None, logp if behaviour else None,
