@@ -4,7 +4,8 @@
   process gives (docs/numerics.md, "GPU": the CPU's bits are TE's).
 - qdot / qragged_dot: the GPU equals the CPU within float32 accumulation order (exact block-scaled bf16 operands;
   only the GEMM's summation order may differ), in every 4-bit preset.
-- The rollout engine: a request's tokens and log-probs do not depend on the schedule (slots, batching) on the GPU.
+- The rollout engine: a request's tokens and log-probs do not depend on the schedule (slots, batching) on the GPU,
+  nor on the decode round's loop (fixed rounds, the GPU's default, vs rounds that exit early).
 - Exact mode: the learner's recompute equals the sampler's log-probs bit for bit on the GPU, dense and MoE,
   unquantized and W4A4. Its CPU guarantees rest on XLA:CPU's kernels being row-count invariant from 64 rows on;
   on the GPU the GEMM's tiling, split-K and autotuning are chosen by shape, so this test is what tells whether
@@ -84,6 +85,23 @@ def test_schedule_never_changes_a_request_on_the_gpu():
 
     test_engine.test_schedule_never_changes_a_request(Qwen3(get_model_config("tiny", num_hidden_layers=2),
                                                             rngs=nnx.Rngs(0)))
+
+
+def test_fixed_decode_rounds_are_the_default_and_change_no_bit_on_the_gpu():
+    """On a GPU the engine's decode rounds run all their steps ("auto" = "fixed": a trip count XLA knows, no host
+    round trip per step), and give the tokens, log-probs and lengths of rounds that exit early, whose compiled
+    loop XLA:GPU runs another way (tests/test_engine.py's CPU test, here)."""
+    import test_engine
+    from flax import nnx
+    from triage_jax.models import Qwen3, get_model_config
+
+    model = Qwen3(get_model_config("tiny", num_hidden_layers=2), rngs=nnx.Rngs(0))
+    assert test_engine.run(model, slots=2, n=1, prompts=test_engine.PROMPTS[:1])[0].fixed_rounds
+    for continuous in (True, False):
+        _, ref = test_engine.run(model, slots=4, steps=7, continuous=continuous, round_loop="early_exit")
+        _, out = test_engine.run(model, slots=4, steps=7, continuous=continuous, round_loop="auto")
+        for k, v in test_engine.as_np(out).items():
+            np.testing.assert_array_equal(v, test_engine.as_np(ref)[k], err_msg=f"continuous={continuous} {k}")
 
 
 @pytest.mark.parametrize("preset,precision,dtype", [
