@@ -21,9 +21,8 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     step / step time / copy bandwidth); the kernels one decode step launches (ops/step: the work instructions in
     the compiled decode loop's body, by kind: fusions, GEMM custom calls, copies); the first call's seconds
     (compile included) in a fresh process, with an empty and with a filled persistent compilation cache.
-    Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the
-    engine compiled with command buffers over its decode loop too / with none: is the step launch-bound, and do
-    CUDA graphs fix it?), `bf16_exit` (decode rounds that exit early: a host round trip per step, the CPU's
+    Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the engine compiled with command buffers over its decode
+    loop too / with none: is the step launch-bound, and do CUDA graphs fix it?), `bf16_exit` (decode rounds that exit early: a host round trip per step, the CPU's
     loop; every other sampler runs the GPU's fixed rounds), `bf16_scan` (the model with scan_layers=True: does
     scanning the layers slow the GPU's decode step?) and --first_call_scan (its compile).
 (c) agree: greedy tokens of the w4a16 sampler on each weight-GEMM backend against the xla backend's.
@@ -289,10 +288,9 @@ def bench_engine(args, bw: float) -> list[dict]:
                 preset, _, layout = label.partition("_")
                 try:
                     policy = sampler_policy(preset, backend=LAYOUT_BACKENDS[layout])
-                    calls, prompts, engine = _engine_run(scanned if layout == "scan" else model, policy, b,
-                                                 args.prompt_len, args.new_tokens,
-                                                 ENGINE_XLA_OPTIONS.get(layout, ()),
-                                                 **ENGINE_CONFIGS.get(layout, {}))
+                    calls, prompts, engine = _engine_run(
+                        scanned if layout == "scan" else model, policy, b, args.prompt_len, args.new_tokens,
+                        ENGINE_XLA_OPTIONS.get(layout, ()), **ENGINE_CONFIGS.get(layout, {}))
                     engines[label] = engine
                 except Exception as e:  # recorded as this sampler's error by interleaved
                     calls = [functools.partial(_reraise, e)] * 2
