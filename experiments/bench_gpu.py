@@ -22,9 +22,10 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     the compiled decode loop's body, by kind: fusions, GEMM custom calls, copies); the first call's seconds
     (compile included) in a fresh process, with an empty and with a filled persistent compilation cache.
     Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the engine compiled with command buffers over its decode
-    loop too / with none: is the step launch-bound, and do CUDA graphs fix it?), `bf16_exit` (decode rounds that exit early: a host round trip per step, the CPU's
-    loop; every other sampler runs the GPU's fixed rounds), `bf16_scan` (the model with scan_layers=True: does
-    scanning the layers slow the GPU's decode step?) and --first_call_scan (its compile).
+    loop too / with none: is the step launch-bound, and do CUDA graphs fix it?), `bf16_exit` (decode rounds that
+    exit early: a host round trip per step, the CPU's loop; every other sampler runs the GPU's fixed rounds),
+    `bf16_scan` (the model with scan_layers=True: does scanning the layers slow the GPU's decode step?) and
+    --first_call_scan (its compile).
 (c) agree: greedy tokens of the w4a16 sampler on each weight-GEMM backend against the xla backend's.
 
 Prints a table per part and one JSON line (`"bench": "gpu"`).
