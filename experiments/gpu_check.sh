@@ -58,6 +58,12 @@ bad = [k for k in need if k not in rows or not all(math.isfinite(v) for v in row
 ckpts = sorted(os.listdir(os.path.join(run, "checkpoints")))
 print("steps:", summary["steps"], "| checkpoints:", ckpts, "| missing or non-finite:", bad,
       "| mean s/step:", summary["mean_time_s"].get("time/step"))
+try:  # per-step phase times: the first step's compiles (the learner's ahead of time, learner.compile_ahead=auto)
+    from experiments.common import read_scalars
+    tb = read_scalars(os.path.join(run, "tb"))
+    print({k: [round(float(v), 2) for v in tb[k][1]] for k in ("time/rollout", "time/learner", "time/step") if k in tb})
+except Exception as e:  # a report only
+    print("per-step times unavailable:", e)
 sys.exit(1 if bad or "3" not in ckpts or summary["steps"] != 3 else 0)
 EOF
 step "bench_gpu: decode GEMMs" 110 python3 experiments/bench_gpu.py --parts gemm --json "$out/bench_gpu_gemm.json"
