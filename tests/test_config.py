@@ -293,13 +293,3 @@ def test_sampler_round_loop_reaches_the_engine_and_is_checked():
     with pytest.raises(ValueError, match=r"sampler.round_loop.*'fixd' is not one of \['auto', 'fixed', 'early_exit'\]"):
         validate(c)
 
-
-def test_learner_compile_ahead_is_checked():
-    """learner.compile_ahead takes "auto", "on" or "off"; a bool or a misspelling fails naming the key."""
-    c = load("tiny")
-    for ok in ("auto", "on", "off"):
-        c.learner.compile_ahead = ok
-        validate(c)
-    c.learner.compile_ahead = "yes"
-    with pytest.raises(ValueError, match=r"learner.compile_ahead.*'yes' is not one of \['auto', 'on', 'off'\]"):
-        validate(c)

@@ -69,11 +69,11 @@ def test_run_writes_logs_checkpoint_summary(tmp_path):
 
 
 def test_learner_programs_compile_ahead_while_the_rollout_generates(tmp_path):
-    """learner.compile_ahead="on": once the rollout's prompts are known, the learner's log-probs, corrections and
-    update for their width compile on background threads, and the step's own calls compile none of them again (a
-    mismatch with the arguments they pass would, on the main thread); the step's metrics are the bits of a run
-    without it. "auto" is off on this CPU (the compiles would share its cores with the rollout). A response
-    length no other test uses: no earlier test's persistent-cache entry hides a compile."""
+    """learner.compile_ahead (the default): once the rollout's prompts are known, the learner's log-probs,
+    corrections and update for their width compile on background threads, and the step's own calls compile none
+    of them again (a mismatch with the arguments they pass would, on the main thread); the step's metrics are the
+    bits of a run without it. A response length no other test uses: no earlier test's persistent-cache entry
+    hides a compile."""
     from jax import monitoring
 
     programs = ("jit(_logprobs_impl)", "jit(prepare)", "jit(_update_impl)")
@@ -86,20 +86,17 @@ def test_learner_programs_compile_ahead_while_the_rollout_generates(tmp_path):
     steps = {}
     monitoring.register_event_duration_secs_listener(listen)
     try:
-        for ahead in ("on", "off"):
-            c = small_config(tmp_path / ahead, **{"learner.compile_ahead": ahead, "sampler.max_new_tokens": 11,
+        for ahead in (True, False):
+            c = small_config(tmp_path / str(ahead), **{"learner.compile_ahead": ahead, "sampler.max_new_tokens": 11,
                                                   "train.steps": 1, "train.energy_every": 0})
-            tr = Trainer(c)
-            assert tr.learner_compile_ahead == (ahead == "on")
-            steps[ahead] = tr.run()[0]
-            if ahead == "on":
+            steps[ahead] = Trainer(c).run()[0]
+            if ahead:
                 assert sorted(p for p, _ in compiled) == sorted(programs), compiled  # each once
                 assert all(t.startswith("learner-compile") for _, t in compiled), compiled
     finally:
         monitoring.unregister_event_duration_listener(listen)
-    np.testing.assert_equal({k: v for k, v in steps["on"].items() if not k.startswith("time/")},
-                            {k: v for k, v in steps["off"].items() if not k.startswith("time/")})
-    assert not Trainer(small_config(tmp_path / "auto", **{"train.steps": 1})).learner_compile_ahead
+    np.testing.assert_equal({k: v for k, v in steps[True].items() if not k.startswith("time/")},
+                            {k: v for k, v in steps[False].items() if not k.startswith("time/")})
 
 
 @pytest.mark.slow  # three trainers: ~2 min on the shared 2-core CPU

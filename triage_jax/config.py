@@ -134,10 +134,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.learner.rules = ()  # per-layer precision rules ahead of learner.precision (as sampler.rules)
     # Compile the learner's programs (log-probs, corrections, update) for a rollout's prompt width on background
     # threads while the rollout generates, so a new width (the first step's, a longer prompt's) does not stop the
-    # step to compile them one after another (learner.Learner.compile_thunks): "on", "off", or "auto" = on where
-    # the learner runs on accelerators (their host's cores idle while the rollout decodes), off on CPUs (there the
-    # compiles and the rollout share the cores: the 2-core tiny run's first step took 19.9 s with it, 18.9 without).
-    c.learner.compile_ahead = "auto"
+    # step to compile them one after another (learner.Learner.compile_thunks).
+    c.learner.compile_ahead = True
     # Exact on-policy mode: sampler and learner run batch-invariant numerics (docs/numerics.md#exact-mode), so with
     # one precision on both sides the learner's recompute equals the sampler's log-probs bit for bit (delta = 0).
     c.learner.exact = False
@@ -286,7 +284,6 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     from triage_jax.sampler import ROUND_LOOPS
 
     _one_of(c, "sampler.round_loop", ROUND_LOOPS)
-    _one_of(c, "learner.compile_ahead", ("auto", "on", "off"))
     try:
         from triage_jax.sampler import check_xla_options
 

@@ -360,7 +360,7 @@ class Learner:
         for the arguments it passes them: the log-probs (one program for the learner's, the reference's and a
         stale rollout's behaviour weights: same shapes), the corrections + diagnostics (`behaviour`: a stale
         rollout's; `null_key`: the step's key or its abstract value, or None) and the update of a mini_batch-row
-        slice. Run on threads while the rollout generates (the trainer's `learner_compile_ahead`), the step's own
+        slice. Run on threads while the rollout generates (config learner.compile_ahead), the step's own
         calls then find them compiled; a call with other arguments (MoE routing replay) compiles as before.
         Each program compiles in the context its call runs in (log-probs and update inside the mesh context,
         prepare outside it): compiled in the other context it is another cache entry (measured: the update

@@ -138,9 +138,6 @@ class Trainer:
         self.alarm_switched = False  # monitor.action='enable_correction' has switched the correction on
         # learner.compile_ahead: prompt width -> the futures of its learner programs compiling in the background.
         self._learner_ahead: dict[int, list[concurrent.futures.Future]] = {}
-        ahead = c.learner.compile_ahead
-        self.learner_compile_ahead = ahead == "on" or (
-            ahead == "auto" and self.learner.mesh.devices.flat[0].platform != "cpu")
         self._sync()
         self._startup_check()
 
@@ -216,7 +213,7 @@ class Trainer:
         rollout gets unless dynamic sampling drops the longest prompt's group) on background threads, while the
         engine generates; `_learn` waits for them. Not with MoE routing replay (its calls pass routing)."""
         c = self.cfg
-        if not self.learner_compile_ahead or c.rl.routing_replay:
+        if not c.learner.compile_ahead or c.rl.routing_replay:
             return
         width = rollout_lib.prompt_width(max(map(len, prompts)), self.P)
         if width in self._learner_ahead:
