@@ -681,7 +681,7 @@ class Engine:
             compiled = prefill.lower(*pre_args(), **pre_kw).compile()
             insert(_abstract(pre_out, compiled.output_shardings))
 
-        decode = [functools.partial(self._compile_decode, s, cap_dec, key_a)] if st.max_new_tokens > 1 else []
+        decode = [functools.partial(self.compile_decode, s, cap_dec, key_a)] if st.max_new_tokens > 1 else []
         if self.mesh is not None:
             return [prefill_then_insert, *decode]
         # One device: a jit call's uncommitted inputs and a single-device program's outputs both key the compile
@@ -725,7 +725,7 @@ class Engine:
                     f.set_exception(RuntimeError("compile-ahead stopped at exit"))
                     continue
                 try:
-                    self._in_context(functools.partial(self._compile_decode, count, cap, key_a))
+                    self.compile_decode(count, cap, key_a)
                     f.set_result(None)
                 except Exception as e:  # noqa: BLE001 - reported by the real call, which compiles it again
                     f.set_exception(e)
@@ -762,9 +762,6 @@ class Engine:
             return _decode_round.with_options(self.config.xla_options).lower(
                 self._graph, self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s,
                 policy=self.policy, st=self.st, steps=self.config.steps_per_round, fixed=self.fixed_rounds).compile()
-
-    def _compile_decode(self, count: int, capacity: int, key_a) -> None:
-        self.compile_decode(count, capacity, key_a)
 
     def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots
