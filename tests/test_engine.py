@@ -162,11 +162,8 @@ def test_fixed_rounds_give_the_early_exit_bits_with_a_known_trip_count(model):
         assert fixed.rounds == early.rounds > 3
         for k, v in as_np(out).items():
             np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"continuous={continuous} {k}")
-    key_a = jax.eval_shape(lambda: jax.random.key(0))
     for engine, trip_count in ((fixed, '"known_trip_count":{"n":"7"}'), (early, None)):
-        hlo = smp._decode_round.with_options(()).lower(
-            engine._graph, engine.state, engine._abstract_slots(4, 64), key_a, *smp._hyper(CFG),
-            policy=engine.policy, st=engine.st, steps=7, fixed=engine.fixed_rounds).compile().as_text()
+        hlo = engine.compile_decode(4, 64, jax.random.key(0)).as_text()
         # The round's own loop (XLA:CPU's threefry adds inner loops of 5 rounds; on a GPU it is unrolled).
         (loop,) = [line for line in hlo.splitlines()
                    if " while(" in line and 'op_name="jit(_decode_round)/while"' in line]
