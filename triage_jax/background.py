@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 _STOP = threading.Event()
 _THREADS: list[threading.Thread] = []
 _LOCK = threading.Lock()
+_REGISTERED = False  # the exit handler
 
 
 def stopping() -> bool:
@@ -33,10 +34,12 @@ def _stop_and_join() -> None:
 
 def start(thread: threading.Thread) -> None:
     """Start a daemon thread that the process joins at exit (after `stopping()` turns true)."""
+    global _REGISTERED
     with _LOCK:
-        if not _THREADS:
+        if not _REGISTERED:
             # Registered after JAX's own exit handlers, so it runs before them (atexit runs last-in first-out).
             atexit.register(_stop_and_join)
+            _REGISTERED = True
         _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
     thread.start()
 
