@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from triage_jax.kernels import mosaic
 from triage_jax.quant import backends as be
 from triage_jax.quant import formats as fmt
 from triage_jax.quant import ieee
@@ -132,19 +133,6 @@ def _e8m0_value(c):
     """2^(c - 127) for E8M0 exponents (int32), flushed at c = 0 and NaN at 255, as MXFP4Tensor.block_values."""
     v = lax.bitcast_convert_type(c << 23, F32)
     return jnp.where(c == 255, jnp.float32(jnp.nan), v)
-
-
-def _interpret_params():
-    # Mosaic GPU's CPU interpreter (shared memory, TMA copies, wgmma from shared memory); jax 0.10 has no public
-    # name for its parameters.
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
-def default_interpret() -> bool:
-    """Mosaic GPU's interpreter everywhere but on a GPU."""
-    return jax.default_backend() != "gpu"
 
 
 def _divisors(n: int, cap: int) -> list[int]:
@@ -249,7 +237,8 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
         grid=(n // TILE_N, mp // tile_m, s), grid_names=("n", "m", "k"),
         scratch_types=[plgpu.SMEM((TILE_N, tile_m), F32),
                        plgpu.SMEM((2 * g, TILE_N, 16), BF16, transforms=a_transforms)],
-        interpret=_interpret_params() if interpret else None,
+        compiler_params=mosaic.compiler_params(),
+        interpret=mosaic.interpret_params() if interpret else None,
     )(tile_expert.astype(I32), tile_rows.astype(I32), codes, scales, xt)
 
 
@@ -275,7 +264,7 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
     n_true, k_true = w.shape
     if x.ndim != 2 or x.shape[1] != k_true:
         raise ValueError(f"fp4_matmul: expected x[M, {k_true}] for a weight [N={n_true}, K={k_true}], got x {x.shape}")
-    interpret = default_interpret() if interpret is None else interpret
+    interpret = mosaic.default_interpret() if interpret is None else interpret
     _check_a_operand(a_operand, interpret)
     k = w.codes.shape[0] * CHUNK  # the padded layout's
     m = x.shape[0]
@@ -324,7 +313,7 @@ def fp4_grouped_matmul(x: jax.Array, w: FP4GemmWeight, group_sizes_e: jax.Array,
     if x.ndim != 2 or x.shape[1] != k_true or group_sizes_e.shape != (e,):
         raise ValueError(f"fp4_grouped_matmul: expected x[M, {k_true}] and group sizes [{e}], got x {x.shape} and "
                          f"{group_sizes_e.shape}")
-    interpret = default_interpret() if interpret is None else interpret
+    interpret = mosaic.default_interpret() if interpret is None else interpret
     _check_a_operand(a_operand, interpret)
     m, k = x.shape[0], w.codes.shape[1] * CHUNK
     tile_m = tile_m or min(256, max(16, -(-(-(-m // e)) // 16) * 16))
@@ -400,8 +389,8 @@ def _grouped_dot(x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Arra
 
 
 def _probe() -> tuple[bool, str]:
-    where = "Mosaic GPU's CPU interpreter (slow; for checks)" if default_interpret() else "compiled (Mosaic GPU)"
-    if not default_interpret():
+    where = "Mosaic GPU's CPU interpreter (slow; for checks)" if mosaic.default_interpret() else "compiled (Mosaic GPU)"
+    if not mosaic.default_interpret():
         kind = getattr(jax.devices()[0], "compute_capability", "")
         if not str(kind).startswith("9"):
             return False, f"the kernel uses Hopper's wgmma (sm_90); this GPU is compute capability {kind or '?'}"

@@ -34,8 +34,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from triage_jax.kernels import mosaic
 from triage_jax.quant import backends as be
 from triage_jax.quant import formats as fmt
 from triage_jax.quant import ieee
@@ -48,16 +48,11 @@ TMA_MAX = 256  # elements per dimension of one TMA copy
 COL_MULTIPLE = 128
 
 
-def default_interpret() -> bool:
-    """Interpret mode everywhere but on a GPU."""
-    return jax.default_backend() != "gpu"
-
-
 def _call_params(interpret: bool | None) -> dict:
-    """pallas_call's interpret / compiler_params: interpret mode, or Mosaic GPU chosen explicitly (not the
-    default lowering, which JAX versions have changed)."""
-    interpret = default_interpret() if interpret is None else interpret
-    return {"interpret": True} if interpret else {"compiler_params": plgpu.CompilerParams()}
+    """pallas_call's interpret / compiler_params: interpret mode, or Mosaic GPU with its lowering semantics chosen
+    explicitly (kernels/mosaic.py: JAX versions changed both defaults)."""
+    interpret = mosaic.default_interpret() if interpret is None else interpret
+    return {"interpret": True} if interpret else {"compiler_params": mosaic.compiler_params()}
 
 
 def _block(dim: int, target: int, multiple: int) -> int:
@@ -313,7 +308,7 @@ def dequant_matmul(
         grid=(m // bm, n // bn, k // bk),
         in_specs=_specs(lk, bm, bk, 0) + _specs(rk, bn, bk, 1),
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-        interpret=default_interpret() if interpret is None else interpret,
+        interpret=mosaic.default_interpret() if interpret is None else interpret,
         name="dequant_matmul",
     )(*la, *ra)
     return y * lf * (jnp.reshape(rf, (1, -1)) if jnp.ndim(rf) else rf)  # per-row lhs factor [M, 1], scalars
@@ -327,7 +322,7 @@ def _probe() -> tuple[bool, str]:
     if not (bool(jnp.array_equal(fmt.quantize_nvfp4(x).packed, quantize_nvfp4(x).packed))
             and bool(jnp.array_equal(fmt.quantize_nvfp4_kn(x).packed, quantize_nvfp4_kn(x).packed))):
         return False, "the Pallas NVFP4 kernel disagrees with the reference on the probe tensor"
-    if default_interpret():
+    if mosaic.default_interpret():
         return True, f"Pallas on {jax.default_backend()}, interpret mode (slow; for checks)"
     return True, f"Pallas on {jax.default_backend()}, compiled (Mosaic GPU quantizers; the GEMM is xla's)"
 
@@ -351,7 +346,7 @@ def _quantize_kn(w_kn, fmt_name, scaling="tensor"):
 def _matmul(lhs, rhs):
     """The fused dequantize-matmul in interpret mode; on a GPU, where it does not lower (module docstring), the
     xla backend's GEMM."""
-    return dequant_matmul(lhs, rhs) if default_interpret() else be.reference_matmul(lhs, rhs)
+    return dequant_matmul(lhs, rhs) if mosaic.default_interpret() else be.reference_matmul(lhs, rhs)
 
 
 # `auto` never picks this backend: no GPU measurement has shown these kernels faster than the xla backend's fused

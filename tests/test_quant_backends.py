@@ -317,7 +317,7 @@ def _kernel_hazards(fn, shape) -> list[str]:
             if is_float and name in ("add", "sub") and any(producer.get(v) == "mul" for v in eqn.invars
                                                            if not isinstance(v, jax.extend.core.Literal)):
                 bad.append(f"{name} of a mul: {eqn}")
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 inner = {iv: producer.get(ov) for iv, ov in zip(sub.invars, eqn.invars)
                          if not isinstance(ov, jax.extend.core.Literal)}
                 walk(sub, inner)

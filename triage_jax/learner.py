@@ -325,7 +325,7 @@ class Learner:
     def _update_impl(self, params, opt_state, mb_all: RolloutBatch):
         # The update index k (TRIAGE's repair warm-up) is the optimizer's own count of applied steps.
         loss, terms, metric_sums, grads = self._loss_and_grads_impl(params, mb_all, update_count(opt_state))
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         # apply_if_finite checks the gradients only: an lr of inf (or an overflow inside AdamW) passes that and

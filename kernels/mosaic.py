@@ -1,0 +1,34 @@
+"""What every kernel here hands Mosaic GPU: its lowering semantics, named, and the CPU interpreter's parameters.
+
+The lowering semantics are pinned to `Lane` (per-thread register layouts, which the kernels name: `load(layout=)`,
+`Layout.WGMMA.reduce`) because JAX changed the default under them: jax 0.10 lowers `Lane` by default, jax 0.11
+`Warpgroup` (its Pallas changelog, "Turned on Warpgroup lowering by default"), and the quantize kernels do not lower
+under `Warpgroup` ("Scalars must be represented by non-vector types" for NVFP4, "Register bitwidth ... divisible by
+8" for MXFP8; in jax 0.10.2 with that default forced and in jax 0.11.1's own Pallas lowering). Named, the program
+that runs on the GPU is the one the CPU-side export tests lower.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+SEMANTICS = plgpu.LoweringSemantics.Lane
+
+
+def compiler_params(**kwargs) -> plgpu.CompilerParams:
+    """Mosaic GPU's compiler parameters with the kernels' lowering semantics (module docstring)."""
+    return plgpu.CompilerParams(lowering_semantics=SEMANTICS, **kwargs)
+
+
+def default_interpret() -> bool:
+    """Mosaic GPU's CPU interpreter everywhere but on a GPU."""
+    return jax.default_backend() != "gpu"
+
+
+def interpret_params():
+    """Parameters of Mosaic GPU's CPU interpreter (shared memory, TMA copies, wgmma from shared memory), as
+    `plgpu.kernel(interpret=)` takes them; jax 0.10 has no public name for them."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
