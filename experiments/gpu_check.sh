@@ -58,7 +58,7 @@ bad = [k for k in need if k not in rows or not all(math.isfinite(v) for v in row
 ckpts = sorted(os.listdir(os.path.join(run, "checkpoints")))
 print("steps:", summary["steps"], "| checkpoints:", ckpts, "| missing or non-finite:", bad,
       "| mean s/step:", summary["mean_time_s"].get("time/step"))
-try:  # per-step phase times: the first step's compiles (the learner's ahead of time, learner.compile_ahead=auto)
+try:  # per-step phase times: the first step's compiles (the learner's ahead of time: learner.compile_ahead)
     from experiments.common import read_scalars
     tb = read_scalars(os.path.join(run, "tb"))
     print({k: [round(float(v), 2) for v in tb[k][1]] for k in ("time/rollout", "time/learner", "time/step") if k in tb})
