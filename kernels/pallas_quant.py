@@ -5,7 +5,7 @@ triage_jax/quant/backends.py imports it on its first query). Interpret mode on C
 Mosaic GPU on a GPU.
 
 Lowering: Mosaic GPU, the maintained Pallas GPU lowering (Triton's is deprecated in JAX 0.11 and does not lower
-`round`). The quantize kernels are written for what it lowers: its reductions run over a whole register tile, its
+`round`), with its Lane semantics named (kernels/mosaic.py: they do not lower under Warpgroup, jax 0.11's default). The quantize kernels are written for what it lowers: its reductions run over a whole register tile, its
 TMA copies move at most 256 elements per dimension with 16-byte GMEM strides, and it has no 8-bit arithmetic. So
 the kernels quantize *down the columns* of a [K, N] matrix: a tile is [16 g, n] (MXFP8: [32 g, n]), row j of each
 group of 16 holding element j of n blocks, so a block's amax is an elementwise max of 16 row vectors and the packed
