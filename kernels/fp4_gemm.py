@@ -389,8 +389,9 @@ def _grouped_dot(x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Arra
 
 
 def _probe() -> tuple[bool, str]:
-    where = "Mosaic GPU's CPU interpreter (slow; for checks)" if mosaic.default_interpret() else "compiled (Mosaic GPU)"
-    if not mosaic.default_interpret():
+    compiled = not mosaic.default_interpret()
+    where = "compiled (Mosaic GPU)" if compiled else "Mosaic GPU's CPU interpreter (slow; for checks)"
+    if compiled:
         kind = getattr(jax.devices()[0], "compute_capability", "")
         if not str(kind).startswith("9"):
             return False, f"the kernel uses Hopper's wgmma (sm_90); this GPU is compute capability {kind or '?'}"

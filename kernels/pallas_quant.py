@@ -5,14 +5,15 @@ triage_jax/quant/backends.py imports it on its first query). Interpret mode on C
 Mosaic GPU on a GPU.
 
 Lowering: Mosaic GPU, the maintained Pallas GPU lowering (Triton's is deprecated in JAX 0.11 and does not lower
-`round`), with its Lane semantics named (kernels/mosaic.py: they do not lower under Warpgroup, jax 0.11's default). The quantize kernels are written for what it lowers: its reductions run over a whole register tile, its
-TMA copies move at most 256 elements per dimension with 16-byte GMEM strides, and it has no 8-bit arithmetic. So
-the kernels quantize *down the columns* of a [K, N] matrix: a tile is [16 g, n] (MXFP8: [32 g, n]), row j of each
-group of 16 holding element j of n blocks, so a block's amax is an elementwise max of 16 row vectors and the packed
-byte of rows 2i and 2i+1 is an elementwise or; every op is elementwise on [n] vectors, in 32-bit integers where
-it is integer. That is a weight's own K-major layout (`quantize_nvfp4_kn`, no transpose); an activation x[M, K]
-quantized along K is transposed first (an XLA pass). The uint8 outputs leave transposed back to the [N, K]
-layout of the reference. N is padded to a multiple of 128 (COL_MULTIPLE).
+`round`), with its Lane semantics named (kernels/mosaic.py: they do not lower under Warpgroup, jax 0.11's default).
+The quantize kernels are written for what it lowers: its reductions run over a whole register tile, its TMA copies
+move at most 256 elements per dimension with 16-byte GMEM strides, and it has no 8-bit arithmetic. So the kernels
+quantize *down the columns* of a [K, N] matrix: a tile is [16 g, n] (MXFP8: [32 g, n]), row j of each group of 16
+holding element j of n blocks, so a block's amax is an elementwise max of 16 row vectors and the packed byte of rows
+2i and 2i+1 is an elementwise or; every op is elementwise on [n] vectors, in 32-bit integers where it is integer.
+That is a weight's own K-major layout (`quantize_nvfp4_kn`, no transpose); an activation x[M, K] quantized along K
+is transposed first (an XLA pass). The uint8 outputs leave transposed back to the [N, K] layout of the reference. N
+is padded to a multiple of 128 (COL_MULTIPLE).
 
 The per-block math is the reference's own (`formats.nvfp4_block_scales`, `formats.e2m1_rne_codes`,
 `formats.mxfp8_block_exponent`), so the kernels differ from it only in tiling and layout, which the tests check
