@@ -1,4 +1,5 @@
-"""What every kernel here hands Mosaic GPU: its lowering semantics, named, and the CPU interpreter's parameters.
+"""What every kernel here hands Mosaic GPU: its lowering semantics and exact math, named, and the CPU interpreter's
+parameters.
 
 The lowering semantics are pinned to `Lane` (per-thread register layouts, which the kernels name: `load(layout=)`,
 `Layout.WGMMA.reduce`) because JAX changed the default under them: jax 0.10 lowers `Lane` by default, jax 0.11
@@ -17,8 +18,10 @@ SEMANTICS = plgpu.LoweringSemantics.Lane
 
 
 def compiler_params(**kwargs) -> plgpu.CompilerParams:
-    """Mosaic GPU's compiler parameters with the kernels' lowering semantics (module docstring)."""
-    return plgpu.CompilerParams(lowering_semantics=SEMANTICS, **kwargs)
+    """Mosaic GPU's compiler parameters with the kernels' lowering semantics (module docstring) and exact math:
+    `approx_math` would let Mosaic GPU lower float ops to PTX's approximate forms, and the kernels' bits are
+    fixed (docs/numerics.md, "GPU"), so it is named too rather than left to a default."""
+    return plgpu.CompilerParams(lowering_semantics=SEMANTICS, approx_math=False, **kwargs)
 
 
 def default_interpret() -> bool:

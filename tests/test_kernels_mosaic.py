@@ -53,11 +53,13 @@ KERNELS = {
 
 @pytest.fixture
 def warpgroup_default(monkeypatch):
-    """jax 0.11's default semantics in the installed JAX: a CompilerParams() that names none gets Warpgroup."""
+    """jax 0.11's default semantics in the installed JAX: a CompilerParams() that names none gets Warpgroup (and
+    approximate math)."""
     cls, init = plgpu.CompilerParams, plgpu.CompilerParams.__init__
 
     def init_0_11(self, *args, **kwargs):
         kwargs.setdefault("lowering_semantics", plgpu.LoweringSemantics.Warpgroup)
+        kwargs.setdefault("approx_math", True)  # not a JAX change; a default the bits must not rest on either
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, "__init__", init_0_11)
@@ -66,14 +68,15 @@ def warpgroup_default(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_every_compiled_kernel_names_the_lane_semantics(name, warpgroup_default):
-    """Under jax 0.11's default (emulated), each kernel still carries Lane: a kernel that left it to the default
-    (no compiler_params, or CompilerParams() naming none) fails here."""
+    """Under jax 0.11's default (emulated), each kernel still carries Lane and exact math: a kernel that left them
+    to the defaults (no compiler_params, or CompilerParams() naming none) fails here."""
     fn, *args = KERNELS[name]
     params = _kernel_params(fn, *args)
     assert params, f"{name}: no Pallas kernel in its program"
     for p in params:
         p = p.get("mosaic_gpu", p) if isinstance(p, dict) else p  # pallas_call keeps a dict keyed by backend
         assert getattr(p, "lowering_semantics", None) == mosaic.SEMANTICS, f"{name}: {p}"
+        assert getattr(p, "approx_math", None) is False, f"{name}: {p}"
 
 
 def test_interpret_mode_is_the_default_off_the_gpu():
