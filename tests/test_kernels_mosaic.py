@@ -31,9 +31,10 @@ def _kernel_params(fn, *args) -> list:
 
 
 def _fp4_weight(e=None):
-    q = lambda: fmt.quantize_nvfp4(jnp.zeros((256, 512)))
-    return jax.eval_shape(lambda: fg.prepare_weight(q()) if e is None else jax.vmap(fg.prepare_weight)(
-        jax.vmap(lambda _: q())(jnp.arange(e))))
+    """An abstract 4-bit weight [256, 512] in the kernel's layout; with e, one per expert."""
+    if e is None:
+        return jax.eval_shape(lambda: fg.prepare_weight(fmt.quantize_nvfp4(jnp.zeros((256, 512)))))
+    return jax.eval_shape(lambda: jax.vmap(fg.prepare_weight)(jax.vmap(fmt.quantize_nvfp4)(jnp.zeros((e, 256, 512)))))
 
 
 KERNELS = {
