@@ -4,7 +4,8 @@
         [--json PATH] [--small]
 
 Every ratio is measured in the same run (the sides interleaved: A, B, A, B, ...; best of --repeats after a warm-up
-that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (numbers meaningless).
+that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (numbers meaningless; HF
+`generate` on torch's CPU, the first call at the small sizes).
 
 (a) gemm: decode GEMMs at Qwen3-4B's MLP shapes (K, N) = (2560, 9728) and (9728, 2560), M in {1, 16, 64, 256},
     each timed in one jitted loop that rotates through --copies weight copies (> 100 MB, so nothing is served from
@@ -57,6 +58,9 @@ GEMM_SHAPES = ((2560, 9728), (9728, 2560))
 GEMM_MS = (1, 16, 64, 256)
 # <preset>[_<layout>]: w4a16_int8 = NVFP4 weights as int8 codes (backend xla_int8); *_fp4gemm = the Mosaic GPU
 # 4-bit GEMM (backend fp4_gemm, kernels/fp4_gemm.py).
+# --small: a 2-layer model of the same architecture (the dry run's sizes)
+SMALL_MODEL = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
 VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a16_fp4gemmreg", "w4a4", "w4a4_fp4gemm")
 # fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
 LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm", "scan": "xla",
@@ -246,22 +250,28 @@ def step_ops(hlo: str, loop: str = "jit(_decode_round)/while") -> dict:
 
 
 def _hf_call(model, prompts, new_tokens):
+    """HF `generate` (torch bf16, the same weights) on torch's GPU, or its CPU in a --small dry run: the calls for
+    `new_tokens` and for 1 token. Each checks that it generated exactly that many tokens (no early stop)."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     from triage_jax import models
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as d:
         models.save_pretrained(model, d)
-        hf = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to("cuda").eval()
-    ids = torch.tensor(prompts, dtype=torch.long, device="cuda")
+        hf = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(device).eval()
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
 
     def run(tokens):
         with torch.inference_mode():
             out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
                               min_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               pad_token_id=0, eos_token_id=None)
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if out.shape != (ids.shape[0], ids.shape[1] + tokens):
+            raise RuntimeError(f"HF generate returned {tuple(out.shape)}, not {ids.shape[1]} + {tokens} tokens")
         return jnp.zeros(())
 
     return [lambda: run(new_tokens), lambda: run(1)]
@@ -276,9 +286,7 @@ def bench_engine(args, bw: float) -> list[dict]:
     rows = []
     for name in args.models:
         cfg = models.get_model_config(name, dtype="bfloat16", param_dtype="bfloat16",
-                                      **({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
-                                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                                          "vocab_size": 1024} if args.small else {}))
+                                      **(SMALL_MODEL if args.small else {}))
         model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
         scanned = (models.Qwen3(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
                    if any(s.endswith("_scan") for s in args.samplers) else None)
@@ -298,7 +306,10 @@ def bench_engine(args, bw: float) -> list[dict]:
                 sides += calls
                 labels.append(label)
             if args.hf:
-                sides += _hf_call(model, prompts, args.new_tokens)
+                try:
+                    sides += _hf_call(model, prompts, args.new_tokens)
+                except Exception as e:  # HF's model or generate not there: its error row, the samplers' rows kept
+                    sides += [functools.partial(_reraise, e)] * 2
                 labels.append("hf")
             errors = {}
             times = interleaved(sides, args.repeats, errors)
@@ -358,7 +369,7 @@ t0 = time.perf_counter()
 from flax import nnx
 from triage_jax import models
 from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
-cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16", scan_layers={scan})
+cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16", scan_layers={scan}, **{overrides!r})
 model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
 policy = sampler_policy("bf16")
 eng = Engine(SamplingConfig(max_new_tokens={new}), EngineConfig(max_slots={b}, max_len={plen} + {new},
@@ -371,15 +382,16 @@ print("FIRST_CALL_S", time.perf_counter() - t1)
 """
 
 
-def first_call(name: str, b: int, plen: int, new: int, scan: bool = False) -> dict:
+def first_call(name: str, b: int, plen: int, new: int, scan: bool = False, overrides: dict | None = None) -> dict:
     """The engine's first generate in a fresh process: compile included, with an empty and a filled cache (keys
-    cold_s / cached_s; scan_cold_s / scan_cached_s for a scan_layers=True model)."""
+    cold_s / cached_s; scan_cold_s / scan_cached_s for a scan_layers=True model). `overrides`: model config fields
+    (--small's sizes)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = {}
     with tempfile.TemporaryDirectory() as cache:
         for label in ("scan_cold", "scan_cached") if scan else ("cold", "cached"):
             env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-            code = FIRST_CALL.format(name=name, b=b, plen=plen, new=new, scan=scan)
+            code = FIRST_CALL.format(name=name, b=b, plen=plen, new=new, scan=scan, overrides=overrides or {})
             r = subprocess.run([sys.executable, "-c", code],
                                cwd=root, env=env, capture_output=True, text=True, timeout=600)
             line = [x for x in r.stdout.splitlines() if x.startswith("FIRST_CALL_S")]
@@ -399,9 +411,7 @@ def agree(args) -> dict:
 
     name = args.models[0]
     cfg = models.get_model_config(name, dtype="bfloat16", param_dtype="bfloat16",
-                                  **({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
-                                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                                      "vocab_size": 1024} if args.small else {}))
+                                  **(SMALL_MODEL if args.small else {}))
     model = models.Qwen3(cfg, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(1)
     b, new = 8, 16 if args.small else 64
@@ -462,7 +472,6 @@ def main(argv=None) -> dict:
     if args.small:
         args.gemm_shapes, args.gemm_ms, args.copies, args.iters, args.repeats = ((256, 512),), (1, 16), 2, 2, 1
         args.batches, args.prompt_len, args.new_tokens, args.models = [4], 16, 8, args.models[:1]
-        args.hf = False
     elif jax.default_backend() != "gpu":
         ap.error(f"a GPU benchmark; this process has {jax.default_backend()} (use --small for a dry run)")
     dev = jax.devices()[0]
@@ -503,8 +512,8 @@ def main(argv=None) -> dict:
         name = args.models[-1]
         fc = {}
         for scan in (False, True) if args.first_call_scan else (False,):
-            if not args.small:
-                fc.update(first_call(name, args.batches[0], args.prompt_len, args.new_tokens, scan))
+            fc.update(first_call(name, args.batches[0], args.prompt_len, args.new_tokens, scan,
+                                 SMALL_MODEL if args.small else None))
         res["first_call"] = {"model": name, **fc}
         print(f"\nfirst rollout call in a fresh process ({name}): {fc}")
     if "agree" in args.parts:

@@ -38,3 +38,15 @@ def test_step_ops_counts_the_kernels_of_one_loop_iteration():
     assert not {"parameter", "tuple", "get-tuple-element", "constant"} & set(ops)
     with pytest.raises(ValueError, match="no while loop named 'jit\\(g\\)/while'"):
         bg.step_ops(hlo, loop="jit(g)/while")
+
+
+def test_engine_hf_and_first_call_run_in_the_dry_run():
+    """The engine table's HF `generate` row (torch on the CPU here, the GPU there) and the first call's fresh
+    processes (an empty, then a filled compilation cache) run off a GPU too, so a transformers / torch API change
+    or a broken first-call script shows here, not in the GPU's minutes."""
+    res = bg.main(["--small", "--parts", "engine,first_call", "--samplers", "bf16"])
+    rows = {r["sampler"]: r for r in res["engine"]}
+    assert set(rows) == {"bf16", "hf"} and "error" not in rows["hf"], rows
+    assert rows["hf"]["decode_tok_s"] > 0 and rows["hf"]["vs_bf16"] > 0
+    fc = res["first_call"]
+    assert fc["cold_s"] > 0 and fc["cached_s"] > 0, fc
