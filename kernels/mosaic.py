@@ -11,6 +11,9 @@ that runs on the GPU is the one the CPU-side export tests lower.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -24,9 +27,23 @@ def compiler_params(**kwargs) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(lowering_semantics=SEMANTICS, approx_math=False, **kwargs)
 
 
+_FOR_GPU = contextvars.ContextVar("triage_jax_mosaic_for_gpu", default=False)
+
+
 def default_interpret() -> bool:
-    """Mosaic GPU's CPU interpreter everywhere but on a GPU."""
-    return jax.default_backend() != "gpu"
+    """Mosaic GPU's CPU interpreter everywhere but on a GPU (or inside `lowering_for_gpu`)."""
+    return not _FOR_GPU.get() and jax.default_backend() != "gpu"
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+    """Within, the kernels lower for Mosaic GPU in any process: for a program compiled for a GPU that this process
+    does not run on (tools/gpu_aot.py's compile-only H200), which the interpreter's host callbacks cannot enter."""
+    token = _FOR_GPU.set(True)
+    try:
+        yield
+    finally:
+        _FOR_GPU.reset(token)
 
 
 def interpret_params():

@@ -752,16 +752,26 @@ class Engine:
                                                     jnp.dtype(self.model_cfg.dtype), self.record_routing))
         return _abstract(empty, self.slot_shardings(empty) if self.mesh is not None else None)
 
-    def compile_decode(self, count: int, capacity: int, key):
+    def compile_decode(self, count: int, capacity: int, key, device=None, compiler_options=None):
         """The decode round for `count` slots at KV capacity `capacity`, compiled for the arguments a generate
         passes it (`key`: the generate's key, or its abstract value), e.g. to read its optimized HLO; a round
-        that ran or compiled before is not compiled again."""
+        that ran or compiled before is not compiled again. `device`: compile it for that device instead (no mesh;
+        the weights may be abstract), with the round loop its platform runs - e.g. a compile-only H200 of
+        tools/gpu_aot.py; `compiler_options`: XLA options for this compile (e.g. xla_dump_to)."""
         key_a = jax.ShapeDtypeStruct(jnp.shape(key), key.dtype)
         temperature, top_p, stop_s = _hyper(self.cfg)
+        args = (self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s)
+        fixed = self.fixed_rounds
+        if device is not None:
+            if self.mesh is not None:
+                raise ValueError("compile_decode(device=...) compiles for one device; this engine has a mesh")
+            on = jax.sharding.SingleDeviceSharding(device)
+            args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=on), args)
+            fixed = fixed_round_loop(self.config.round_loop, device.platform)
         with self._context():
             return _decode_round.with_options(self.config.xla_options).lower(
-                self._graph, self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s,
-                policy=self.policy, st=self.st, steps=self.config.steps_per_round, fixed=self.fixed_rounds).compile()
+                self._graph, *args, policy=self.policy, st=self.st, steps=self.config.steps_per_round,
+                fixed=fixed).compile(compiler_options)
 
     def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots

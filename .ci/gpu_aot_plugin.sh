@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs jax's CUDA PJRT plugin (jax-cuda13-pjrt and jax-cuda13-plugin, the installed jaxlib's version, ~130 MB,
+# no CUDA libraries) into DIR (default <repo>/.gpu-aot, ignored by git), off the Python path:
+# triage_jax/tools/gpu_aot.py compiles programs for an H200 with it on a machine without a GPU, and
+# tests/test_gpu_aot.py reads their PTX and kernels (skipped without it). Installed into site-packages it would
+# make every jax import on a GPU-less machine print the plugin's failed initialization.
+#   bash .ci/gpu_aot_plugin.sh [DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-${TRIAGE_GPU_AOT:-.gpu-aot}}
+ver=$(python -c "import jaxlib; print(jaxlib.__version__)")
+if [ -f "$dir/jax_plugins/xla_cuda13/xla_cuda_plugin.so" ] && \
+   python -c "import sys; sys.path.insert(0, '$dir'); from jax_plugins.xla_cuda13 import version; \
+sys.exit(version._version != '$ver')" 2>/dev/null; then
+  echo "gpu_aot: jax-cuda13-pjrt $ver already in $dir"
+  exit 0
+fi
+rm -rf "$dir"
+python -m pip install -q --no-deps --no-compile --target "$dir" "jax-cuda13-pjrt==$ver" "jax-cuda13-plugin==$ver"
+echo "gpu_aot: jax-cuda13-pjrt $ver installed in $dir"

@@ -1,0 +1,93 @@
+"""XLA:GPU's own compile, on this CPU machine: programs compiled for a compile-only H200 (triage_jax/tools/gpu_aot.py,
+jax's CUDA PJRT plugin) and read back as PTX and thunks. This reaches below StableHLO, where
+tests/test_quant_ieee.py's export guard stops: what XLA:GPU's passes and LLVM's NVPTX backend make of the
+quantizers' arithmetic, and what one decode step launches. The XLA is the installed jaxlib's (the GPU machine's may
+be newer). Each test runs the tool in a process of its own (the plugin is found when JAX starts its backends).
+Skipped without the plugin: `bash .ci/gpu_aot_plugin.sh` (CI installs it)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from triage_jax.tools import gpu_aot
+
+pytestmark = pytest.mark.skipif(not gpu_aot.plugin_installed(),
+                                reason=f"jax's CUDA PJRT plugin not in {gpu_aot.plugin_dir()}: bash .ci/gpu_aot_plugin.sh")
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(code: str) -> dict:
+    """Runs `code` (which prints one JSON line last) with the plugin on the path and JAX held to the CPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([gpu_aot.plugin_dir(), TESTS]), "JAX_PLATFORMS": "cpu"}
+    head = "import jax\njax.config.update('jax_enable_compilation_cache', False)\n"
+    r = subprocess.run([sys.executable, "-c", head + textwrap.dedent(code)], env=env, cwd=gpu_aot.ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_ptx_check_sees_what_it_guards_against():
+    """XLA:GPU's float division is PTX div.full (<= 2 ulp), exp an approximation (ex2.approx.ftz, FMAs); the
+    portable division, the quantizers' (quant/ieee.py), compiles to integer arithmetic only."""
+    out = _run("""
+        import json, jax.numpy as jnp
+        from triage_jax.tools import gpu_aot
+        from triage_jax.quant import ieee
+        x = jnp.zeros((4, 256), jnp.float32)
+        native = gpu_aot.compile_fn(lambda a, b: (2688.0 / a, a / b, jnp.exp(a)), x, x)
+        portable = gpu_aot.compile_fn(lambda a, b: (ieee.div(2688.0, a), ieee.div(a, b)), x, x)
+        print(json.dumps({"native": gpu_aot.inexact_float_ops(native.ptx),
+                          "portable": gpu_aot.inexact_float_ops(portable.ptx),
+                          "portable_ptx": sum(len(p) for p in portable.ptx)}))
+    """)
+    assert out["native"].get("div.full.f32", 0) >= 2, out["native"]
+    assert any(op.startswith("ex2.approx") for op in out["native"]), out["native"]
+    assert out["portable"] == {} and out["portable_ptx"] > 0, out
+
+
+def test_every_quantizer_compiles_to_exactly_rounded_ptx():
+    """Every quantizer and dequantizer of tests/quant_cases.py, compiled for the H200: no float instruction whose
+    result is not IEEE's (no division or reciprocal but the correctly rounded kind, no FMA contraction, no
+    flush-to-zero, no approximation). A failure names the op and the instructions."""
+    out = _run("""
+        import json, jax.numpy as jnp
+        import quant_cases
+        from triage_jax.tools import gpu_aot
+        dev = gpu_aot.h200()
+        x = jnp.zeros((64, 256), jnp.float32)
+        res = {}
+        for op, fn in quant_cases.OPS.items():
+            c = gpu_aot.compile_fn(fn, x, device=dev)
+            res[op] = {"inexact": gpu_aot.inexact_float_ops(c.ptx), "float_ops": sum(gpu_aot.ptx_float_ops(c.ptx).values())}
+        print(json.dumps(res))
+    """)
+    assert set(out) == set(__import__("quant_cases").OPS)
+    bad = {op: r["inexact"] for op, r in out.items() if r["inexact"]}
+    assert not bad, bad
+    assert all(r["float_ops"] > 0 for r in out.values()), out  # the PTX was read: float arithmetic is there
+
+
+def test_a_decode_step_is_one_cuda_graph_on_the_h200():
+    """The GPU's decode step (a fixed round's body, 2-layer Qwen3): every kernel of a bf16 step in one command buffer
+    (one CUDA graph launch per token, not one launch per kernel) and no loop inside it (a while loop in the step
+    would copy its condition to the host every iteration). The fp4_gemm sampler runs every projection through the
+    Mosaic GPU kernel (7 per layer: q, k, v, o, gate, up, down)."""
+    out = _run("""
+        import json
+        from triage_jax.tools import gpu_aot
+        small = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
+        dev = gpu_aot.h200()
+        print(json.dumps([gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=dev,
+                                              overrides=small) for s in ("bf16", "w4a16:fp4_gemm")]))
+    """)
+    bf16, fp4 = out
+    assert bf16["command_buffers"] == 1 and bf16["nested_loops"] == 0, bf16
+    assert bf16["launches"] == bf16["by_kind"]["kCustomKernel"] > 0, bf16  # every launch a kernel of the graph
+    assert fp4["by_kind"].get("kCustomCall") == 7 * 2, fp4
+    assert fp4["nested_loops"] == 0, fp4

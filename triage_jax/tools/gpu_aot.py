@@ -1,0 +1,247 @@
+"""Compile for an NVIDIA H200 on a machine without a GPU and read what XLA:GPU made of a program.
+
+    python -m triage_jax.tools.gpu_aot decode [--models qwen3_0_6b] [--samplers bf16,w4a16,w4a16:xla_int8]
+        [--batch 64]
+        [--json PATH]
+
+XLA compiles for a GPU it is only told about (deviceless AOT: jax.experimental.topologies with a target config,
+the device description the compiler reads) through jax's CUDA PJRT plugin, which loads without a driver or CUDA
+libraries. The program goes through every XLA:GPU pass (fusion, GEMM rewriting, command buffers, LLVM's NVPTX
+backend); autotuning is skipped (GEMM tiles are the defaults) and Mosaic GPU kernels stay custom calls (their PTX
+is made when the program loads on a device). What comes back, per compile: the PTX of every XLA kernel and the
+thunk sequence (the kernels, copies and loops the program launches, in order).
+
+- `ptx_float_ops` / `inexact_float_ops`: the float instructions of the PTX, and those whose result is not the
+  correctly rounded one or depends on the hardware (approximate division / reciprocal / transcendental, fused
+  multiply-add, flush-to-zero): tests/test_gpu_aot.py holds every quantizer to none (docs/numerics.md, "GPU").
+- `decode`: the kernels one decode step of the engine launches on the H200, per sampler (bench_gpu's ops/step
+  measures the same on the GPU itself), for the GPU's fixed decode rounds.
+
+Needs the plugin off the default path (installed, it would make every jax import on a GPU-less machine print an
+error): `bash .ci/gpu_aot_plugin.sh` puts jax-cuda13-pjrt / -plugin of the installed jaxlib's version into
+.gpu-aot/ (or $TRIAGE_GPU_AOT). Run in its own process (the CLI): the plugin is found when JAX first starts its
+backends, and they are held to the CPU. The XLA is jaxlib's here, not necessarily the GPU machine's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def plugin_dir() -> str:
+    """Where .ci/gpu_aot_plugin.sh put jax's CUDA PJRT plugin ($TRIAGE_GPU_AOT, else <repo>/.gpu-aot)."""
+    return os.environ.get("TRIAGE_GPU_AOT", os.path.join(ROOT, ".gpu-aot"))
+
+
+def plugin_installed() -> bool:
+    return os.path.isfile(os.path.join(plugin_dir(), "jax_plugins", "xla_cuda13", "xla_cuda_plugin.so"))
+
+
+def use_plugin() -> None:
+    """Put the plugin on the path and hold JAX's backends to the CPU. Call before JAX starts its backends."""
+    if not plugin_installed():
+        raise SystemExit(f"gpu_aot: jax's CUDA PJRT plugin is not in {plugin_dir()}; run bash .ci/gpu_aot_plugin.sh")
+    sys.path.insert(0, plugin_dir())
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+if __name__ == "__main__":
+    use_plugin()
+
+import collections  # noqa: E402
+import dataclasses  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+# The device description XLA:GPU compiles against (stream_executor.GpuTargetConfigProto, text format): an H200
+# SXM (Hopper, sm_90a) from NVIDIA's datasheet - 132 SMs at 1.98 GHz, 141 GB of HBM3e at 4.8 TB/s, 50 MiB of L2,
+# 228 KiB of shared memory per SM (227 KiB to one block). The fields the compiler's heuristics read.
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472  shared_memory_per_block_optin: 232448  threads_per_core_limit: 2048
+  core_count: 132  fpus_per_core: 128  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535  memory_bandwidth: 4800000000000  l2_cache_size: 52428800  clock_rate_ghz: 1.98
+  device_memory_size: 151397597184  registers_per_core_limit: 65536  registers_per_block_limit: 65536
+  cuda_compute_capability { major: 9 minor: 0 }
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 patch: 0 }
+device_description_str: "NVIDIA H200"
+"""
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def h200():
+    """A compile-only H200 device (programs compile for it; nothing runs)."""
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1").devices[0]
+
+
+def abstract_on(tree, device):
+    """The tree's arrays as abstract values placed on `device`."""
+    on = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=on), tree)
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What XLA:GPU made of one program: the PTX of its kernels (one text per LLVM module), its thunk sequence
+    (after the thunk passes: command buffers shown) and its optimized HLO."""
+
+    ptx: list[str]
+    thunks: str
+    hlo: str
+
+
+def compile_dumped(compile_fn) -> Compiled:
+    """compile_fn(compiler_options) -> a jax Compiled, run with XLA dumping into a fresh folder; the dump read."""
+    with tempfile.TemporaryDirectory() as d:
+        compiled = compile_fn({"xla_dump_to": d})
+        ptx = [open(p).read() for p in sorted(glob.glob(os.path.join(d, "*.ptx")))]
+        seq = sorted(glob.glob(os.path.join(d, "*thunk_sequence_after_thunk_passes.txt"))
+                     or glob.glob(os.path.join(d, "*thunk_sequence.txt")))
+        if not seq:
+            raise RuntimeError(f"XLA wrote no thunk sequence (dump: {sorted(os.listdir(d))[:8]})")
+        thunks = open(seq[-1]).read()
+    return Compiled(ptx=ptx, thunks=thunks, hlo=compiled.as_text())
+
+
+def compile_fn(fn, *args, device=None) -> Compiled:
+    """jit(fn) compiled for `device` (default: a compile-only H200) on abstract args placed there."""
+    device = device or h200()
+    lowered = jax.jit(fn).lower(*abstract_on(args, device))
+    return compile_dumped(lambda opts: lowered.compile(opts))
+
+
+_PTX_INSTR = re.compile(r"^\s*(?:@%?!?\w+\s+)?([a-z][a-z0-9]*(?:\.[A-Za-z0-9_:]+)*)\s", re.M)
+_FLOAT_TYPE = re.compile(r"\.(f16|f16x2|bf16|bf16x2|f32|f64)(\.|$)")
+# Float instructions whose result is IEEE's (correctly rounded or exact) whatever the hardware: add / sub / mul
+# with an explicit rounding mode (ptxas never contracts those into an FMA), min / max, abs / neg, compares and
+# selects, conversions with a named rounding mode, moves, loads and stores.
+_EXACT_FLOAT = re.compile(
+    r"^(?:(?:add|sub|mul)\.r[nzmp]|(?:min|max)(?:\.NaN)?|abs|neg|setp\.\w+|selp|set\.\w+|testp\.\w+|copysign"
+    r"|cvt(?:\.r[nzmp]i?)?(?:\.sat)?|mov|ld(?:\.\w+)*|st(?:\.\w+)*|shfl(?:\.\w+)*|red(?:\.\w+)*|atom(?:\.\w+)*"
+    r"|div\.rn|rcp\.rn|sqrt\.rn)"
+    r"(?:\.(?:f16|f16x2|bf16|bf16x2|f32|f64|[subp](?:8|16|32|64)|b1|pred|global|shared|local|param|const|nc|v2|v4"
+    r"|sync|down|up|bfly|idx|cta|gpu|sys|relaxed|acquire|release|add|min|max))*$")
+
+
+def ptx_float_ops(ptx: str | list[str]) -> collections.Counter:
+    """Instruction forms (opcode with its modifiers) of the PTX that operate on a float type, counted."""
+    text = ptx if isinstance(ptx, str) else "\n".join(ptx)
+    return collections.Counter(m for m in _PTX_INSTR.findall(text) if _FLOAT_TYPE.search(m))
+
+
+def inexact_float_ops(ptx: str | list[str]) -> dict[str, int]:
+    """The float instructions whose result may differ from IEEE's correctly rounded one or between GPUs: e.g.
+    div.full / div.approx / rcp.approx (XLA's float division), fma / mad (two roundings become one), any .ftz
+    (subnormals flushed), ex2 / lg2 / sin / cos / tanh .approx."""
+    return {op: n for op, n in ptx_float_ops(ptx).items() if ".ftz" in op or not _EXACT_FLOAT.match(op)}
+
+
+_THUNK = re.compile(r"^(\s*)(?:\d+: )?(k\w+)\s")
+_CONTROL = {"kWhile", "kConditional", "kCommandBuffer", "kSequential"}
+
+
+def loop_body_thunks(thunks: str) -> dict:
+    """The thunks of the body of the program's first top-level while loop (the decode round's step loop), by
+    kind: launches (kernels, GEMM library calls, copies, memsets; control thunks not counted), the number of
+    command buffers (CUDA graphs) they are grouped into, and nested loops (counted once each)."""
+    lines = thunks.splitlines()
+    start = next((i for i, x in enumerate(lines) if _THUNK.match(x) and _THUNK.match(x).group(2) == "kWhile"
+                  and not _THUNK.match(x).group(1)), None)
+    if start is None:
+        raise ValueError("no top-level while loop in the thunk sequence")
+    body = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "body:")
+    depth = len(lines[body]) - len(lines[body].lstrip())
+    kinds, names = collections.Counter(), collections.Counter()
+    for line in lines[body + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= depth:
+            break  # the loop's body ended
+        m = _THUNK.match(line)
+        if m:
+            kinds[m.group(2)] += 1
+            if m.group(2) not in _CONTROL:
+                fields = line.split("]", 1)[-1].split()
+                names[re.sub(r"(_\d+)+$", "", fields[0]) if fields else m.group(2)] += 1
+    launches = sum(n for k, n in kinds.items() if k not in _CONTROL)
+    return {"launches": launches, "command_buffers": kinds["kCommandBuffer"], "nested_loops": kinds["kWhile"],
+            "by_kind": dict(kinds.most_common()), "by_name": dict(names.most_common())}
+
+
+def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
+                device=None, overrides: dict | None = None) -> dict:
+    """The kernels one decode step of the engine launches on `device` (default: a compile-only H200), for the
+    model config `model_name` (random init, bf16; nothing materialized: the weights stay abstract) and the
+    sampler `sampler`: <preset>[:<backend>] (a sampler preset, a quantization backend; default xla)."""
+    from flax import nnx
+
+    from triage_jax import models
+    from triage_jax import sampler as sm
+    from triage_jax.kernels import mosaic
+
+    device = device or h200()
+    preset, _, backend = sampler.partition(":")
+    policy = sm.sampler_policy(preset, backend=backend or "xla")
+    cfg = models.get_model_config(model_name, dtype="bfloat16", param_dtype="bfloat16", **(overrides or {}))
+    model = nnx.eval_shape(lambda: sm.prepare_model(models.Qwen3(cfg, rngs=nnx.Rngs(0)), policy))
+    engine = sm.Engine(sm.SamplingConfig(max_new_tokens=capacity - prompt_len),
+                       sm.EngineConfig(max_slots=batch, max_len=capacity, max_prompt_len=prompt_len),
+                       policy=policy, model=model)
+    with mosaic.lowering_for_gpu():  # the fp4_gemm backend's kernel, as a GPU runs it
+        out = compile_dumped(lambda opts: engine.compile_decode(batch, capacity, jax.random.key(0), device=device,
+                                                                compiler_options=opts))
+    steps = engine.config.steps_per_round
+    body = loop_body_thunks(out.thunks)
+    return {"model": model_name, "sampler": sampler, "batch": batch, "layers": cfg.num_hidden_layers,
+            "steps_per_round": steps, **body,
+            "launches_per_layer": round(body["launches"] / cfg.num_hidden_layers, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["decode"])
+    ap.add_argument("--models", default="qwen3_0_6b")
+    ap.add_argument("--samplers", default="bf16,w4a16")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    jax.config.update("jax_enable_compilation_cache", False)  # compile-only programs: nothing to reuse
+    device = h200()
+    rows = []
+    print(f"decode step on {H200.split('device_description_str: ')[1].strip()} (XLA of jaxlib "
+          f"{_jaxlib_version()}, deviceless): kernels launched per step")
+    print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6}  most")
+    for name in args.models.split(","):
+        for sampler in args.samplers.split(","):
+            r = decode_step(name, sampler, args.batch, device=device)
+            rows.append(r)
+            top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
+            print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
+                  f"{r['command_buffers']:>6}  {top}", flush=True)
+    print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), "decode": rows}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
