@@ -1,8 +1,7 @@
 """Compile for an NVIDIA H200 on a machine without a GPU and read what XLA:GPU made of a program.
 
     python -m triage_jax.tools.gpu_aot decode [--models qwen3_0_6b] [--samplers bf16,w4a16,w4a16:xla_int8]
-        [--batch 64]
-        [--json PATH]
+        [--batch 64] [--local] [--json PATH]
 
 XLA compiles for a GPU it is only told about (deviceless AOT: jax.experimental.topologies with a target config,
 the device description the compiler reads) through jax's CUDA PJRT plugin, which loads without a driver or CUDA
@@ -14,8 +13,9 @@ thunk sequence (the kernels, copies and loops the program launches, in order).
 - `ptx_float_ops` / `inexact_float_ops`: the float instructions of the PTX, and those whose result is not the
   correctly rounded one or depends on the hardware (approximate division / reciprocal / transcendental, fused
   multiply-add, flush-to-zero): tests/test_gpu_aot.py holds every quantizer to none (docs/numerics.md, "GPU").
-- `decode`: the kernels one decode step of the engine launches on the H200, per sampler (bench_gpu's ops/step
-  measures the same on the GPU itself), for the GPU's fixed decode rounds.
+- `decode`: the kernels one decode step of the engine launches on the H200, per sampler, for the GPU's fixed
+  decode rounds (bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this
+  table from its own XLA).
 
 Needs the plugin off the default path (installed, it would make every jax import on a GPU-less machine print an
 error): `bash .ci/gpu_aot_plugin.sh` puts jax-cuda13-pjrt / -plugin of the installed jaxlib's version into
@@ -48,7 +48,7 @@ def use_plugin() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--local" not in sys.argv:
     use_plugin()
 
 import collections  # noqa: E402
@@ -221,13 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="qwen3_0_6b")
     ap.add_argument("--samplers", default="bf16,w4a16")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--local", action="store_true",
+                    help="compile for this process's first device instead (on a GPU machine: its own XLA; no plugin)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only programs: nothing to reuse
-    device = h200()
+    device = jax.devices()[0] if args.local else h200()
+    if device.platform != "gpu":
+        ap.error(f"--local compiles for this process's device, and it is a {device.platform}, not a GPU")
+    where = (f"{device.device_kind} (this process's device)" if args.local else
+             f"{H200.split('device_description_str: ')[1].strip()} (deviceless)")
     rows = []
-    print(f"decode step on {H200.split('device_description_str: ')[1].strip()} (XLA of jaxlib "
-          f"{_jaxlib_version()}, deviceless): kernels launched per step")
+    print(f"decode step on {where}, XLA of jaxlib {_jaxlib_version()}: kernels launched per step")
     print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6}  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
