@@ -101,6 +101,25 @@ def test_products_are_rounded_before_a_tree_sum_adds_them():
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, b: invariant.tree_sum(a * b))(a, b)), by_hand)
 
 
+def test_gpu_row_chunks_give_each_row_its_unchunked_bits():
+    """The GPU's exact-mode matmuls (invariant._in_row_chunks: chunks of exactly 64 rows, the last zero-padded),
+    run here: each row comes back in its place with the bits the dot gives it on all rows at once (CPU dots are
+    row-count invariant from 64 rows on), row counts around the chunk size included; a quantized dot too."""
+    from triage_jax.quant import qdot
+    from triage_jax.sampler import sampler_policy as policy_for
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((256, 96)), jnp.float32)
+    prec = policy_for("w4a4").for_layer("layers.0.mlp.up_proj")
+    for fn in (lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32), lambda x: qdot(x, w, prec)):
+        for m in (65, 128, 130, 300):
+            x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+            got = jax.jit(lambda a: invariant._in_row_chunks(fn, a))(x)
+            want = jax.jit(fn)(x)
+            assert got.shape == want.shape == (m, 96)
+            assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)), m
+
+
 def test_exact_rope_rounds_both_products_before_adding_them():
     from triage_jax.models.layers import apply_rope, rope_cos_sin
 

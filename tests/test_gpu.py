@@ -104,9 +104,15 @@ def test_fixed_decode_rounds_are_the_default_and_change_no_bit_on_the_gpu():
             np.testing.assert_array_equal(v, test_engine.as_np(ref)[k], err_msg=f"continuous={continuous} {k}")
 
 
+_MOE_ROWS = pytest.mark.xfail(strict=False, reason=(
+    "exact mode runs the MoE experts' grouped dot on all routed rows at once (its groups span them), and a GPU "
+    "picks a GEMM's configuration by the row count (docs/numerics.md, exact mode): expected to differ; XPASS if not"))
+
+
 @pytest.mark.parametrize("preset,precision,dtype", [
-    ("tiny", "bf16", "float32"), ("tiny", "w4a4", "bfloat16"), ("tiny_moe", "bf16", "float32"),
-    ("tiny_moe", "w4a4", "bfloat16"),
+    ("tiny", "bf16", "float32"), ("tiny", "w4a4", "bfloat16"),
+    pytest.param("tiny_moe", "bf16", "float32", marks=_MOE_ROWS),
+    pytest.param("tiny_moe", "w4a4", "bfloat16", marks=_MOE_ROWS),
 ])
 def test_exact_mode_delta_is_zero_on_the_gpu(preset, precision, dtype):
     from test_exact import _delta, _model, _prompts, _sample

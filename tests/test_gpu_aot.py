@@ -91,3 +91,29 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     assert bf16["launches"] == bf16["by_kind"]["kCustomKernel"] > 0, bf16  # every launch a kernel of the graph
     assert fp4["by_kind"].get("kCustomCall") == 7 * 2, fp4
     assert fp4["nested_loops"] == 0, fp4
+
+
+def test_exact_mode_matmuls_have_one_row_count_on_the_h200():
+    """Exact mode's dots on a GPU (invariant.padded_rows): whatever the rows, the GEMM XLA:GPU compiles is the one
+    for 64 rows, launched alike - so the sampler's and the learner's programs compute a row the same way. The
+    plain dot's GEMM changes with the row count (64 rows: split-K, a kernel more; 1,000: neither)."""
+    out = _run("""
+        import json, jax, jax.numpy as jnp
+        from triage_jax.models import invariant
+        from triage_jax.tools import gpu_aot
+        dev = gpu_aot.h200()
+        w = jnp.zeros((256, 768), jnp.bfloat16)
+        def gemms(c):  # the GEMM kernels' launch shapes (grid, threads, shared memory)
+            return sorted({l[l.index("grid:"):].strip() for l in c.thunks.splitlines() if "gemm_fusion" in l})
+        res = {}
+        for m in (1, 64, 300, 1000):
+            x = jnp.zeros((m, 256), jnp.bfloat16)
+            dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+            exact = gpu_aot.compile_fn(lambda a, b: invariant.padded_rows(lambda r: dot(r, b), a), x, w, device=dev)
+            plain = gpu_aot.compile_fn(dot, x, w, device=dev)
+            res[m] = {"exact": gemms(exact), "plain_kernels": plain.thunks.count("kCustomKernel")}
+        print(json.dumps(res))
+    """)
+    exact = {m: r["exact"] for m, r in out.items()}
+    assert all(len(g) == 1 for g in exact.values()) and len({g[0] for g in exact.values()}) == 1, exact
+    assert out["64"]["plain_kernels"] == 2 and out["1000"]["plain_kernels"] == 1, out  # split-K's sum at 64 rows

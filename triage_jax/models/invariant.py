@@ -58,18 +58,37 @@ def padded_cols(w_kn: jax.Array) -> jax.Array:
     return w_kn if n >= MIN_COLS else jnp.pad(w_kn, [(0, 0)] * (w_kn.ndim - 1) + [(0, MIN_COLS - n)])
 
 
-def padded_rows(fn, x_mk: jax.Array, *args):
+def padded_rows(fn, x_mk: jax.Array, *args, row_chunks: bool = True):
     """fn(x, *args) with x's leading (row) axis padded to >= MIN_ROWS zero rows, the result cut back to M rows.
 
     x enters through an optimization barrier, so it is materialized in its dtype first: fused into the matmul's
     operand quantization, XLA may keep a bfloat16 elementwise chain (the SwiGLU silu(g) * u) in float32 in one
-    program and round it in another (the MoE experts differed between 1,358 and 8 routed rows)."""
+    program and round it in another (the MoE experts differed between 1,358 and 8 routed rows).
+
+    On every platform but the CPU, fn sees exactly MIN_ROWS rows: more rows go through in chunks of MIN_ROWS, one
+    after another (`row_chunks`; False for a fn whose rows are not independent, the grouped dot). XLA:GPU picks a
+    GEMM's split-K and tiling by its row count - compiled for an H200 (tools/gpu_aot.py, no autotuning), a
+    [64, K] x [K, N] dot splits K in parts summed afterwards and a [256, K] one does not, at K = 256 and 2,560 -
+    so only one row count gives a row the same bits in the sampler's programs and the learner's. XLA:CPU's dots
+    are row-count invariant from 64 rows on (measured), and there the rows go through at once."""
     x_mk = jax.lax.optimization_barrier(x_mk)
     m = x_mk.shape[0]
+    if m > MIN_ROWS and row_chunks:
+        return jax.lax.platform_dependent(x_mk, *args, cpu=fn, default=functools.partial(_in_row_chunks, fn))
     if m >= MIN_ROWS:
         return fn(x_mk, *args)
     x_pk = jnp.pad(x_mk, [(0, MIN_ROWS - m)] + [(0, 0)] * (x_mk.ndim - 1))
     return fn(x_pk, *args)[:m]
+
+
+def _in_row_chunks(fn, x_mk: jax.Array, *args) -> jax.Array:
+    """fn over x's rows in chunks of exactly MIN_ROWS (the last zero-padded), one after another (lax.map: one
+    compiled [MIN_ROWS, ...] program for every chunk), concatenated and cut back to M rows."""
+    m = x_mk.shape[0]
+    c = -(-m // MIN_ROWS)
+    x_cpk = jnp.pad(x_mk, [(0, c * MIN_ROWS - m)] + [(0, 0)] * (x_mk.ndim - 1)).reshape(c, MIN_ROWS, *x_mk.shape[1:])
+    y_cp = jax.lax.map(lambda x_pk: fn(x_pk, *args), x_cpk)
+    return y_cp.reshape(c * MIN_ROWS, *y_cp.shape[2:])[:m]
 
 
 def rms_norm(x: jax.Array, eps: float) -> jax.Array:

@@ -114,7 +114,9 @@ def grouped_dot(x_mk, w_ekn, group_sizes_e, policy: PrecisionPolicy | None, path
     prec = policy.for_layer(path)
     dot = lambda x: qragged_dot(x, w_ekn, group_sizes_e, prec, backend=policy.backend, name=path)  # noqa: E731
     # Exact mode: rows appended past the last group (ragged_dot gives them zeros) keep the kernel's row count >= 64.
-    return invariant.padded_rows(dot, x_mk) if policy.exact else dot(x_mk)
+    # The groups span all rows, so they go through at once on every platform (a GPU's grouped GEMM then picks its
+    # configuration by the row count: exact mode's MoE is not row-count invariant there; docs/numerics.md).
+    return invariant.padded_rows(dot, x_mk, row_chunks=False) if policy.exact else dot(x_mk)
 
 
 def expert_ffn(x_md, group_sizes_e, w_gate, w_up, w_down, policy, paths) -> jax.Array:
