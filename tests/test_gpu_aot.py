@@ -2,8 +2,8 @@
 jax's CUDA PJRT plugin) and read back as PTX and thunks. This reaches below StableHLO, where
 tests/test_quant_ieee.py's export guard stops: what XLA:GPU's passes and LLVM's NVPTX backend make of the
 quantizers' arithmetic, and what one decode step launches. The XLA is the installed jaxlib's (the GPU machine's may
-be newer). Each test runs the tool in a process of its own (the plugin is found when JAX starts its backends).
-Skipped without the plugin: `bash .ci/gpu_aot_plugin.sh` (CI installs it)."""
+be newer). Each compile runs the tool in a process of its own (the plugin is found when JAX starts its backends);
+those tests skip without the plugin: `bash .ci/gpu_aot_plugin.sh` (CI installs it)."""
 
 import json
 import os
@@ -15,8 +15,8 @@ import pytest
 
 from triage_jax.tools import gpu_aot
 
-pytestmark = pytest.mark.skipif(not gpu_aot.plugin_installed(),
-                                reason=f"jax's CUDA PJRT plugin not in {gpu_aot.plugin_dir()}: bash .ci/gpu_aot_plugin.sh")
+needs_plugin = pytest.mark.skipif(
+    not gpu_aot.plugin_installed(), reason=f"jax's CUDA PJRT plugin not in {gpu_aot.plugin_dir()}: bash .ci/gpu_aot_plugin.sh")
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,6 +31,33 @@ def _run(code: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def test_inexact_float_ops_names_what_a_gpu_may_round_differently():
+    """The PTX classifier itself (no compile): IEEE-exact forms pass (rounding modifiers named, compares, selects,
+    conversions with a rounding, NaN-propagating max); float atomics, FMAs, contractible add / mul without a
+    rounding modifier, flush-to-zero and approximate division are named, predicated or not."""
+    ptx = """
+\tadd.rn.f32 \t%r1, %r2, %r3;
+\tmul.rn.f32 \t%r1, %r2, %r3;
+\tcvt.rzi.u32.f32 \t%r1, %r2;
+\tcvt.rni.f32.f32 \t%r1, %r2;
+\tmax.NaN.f32 \t%r1, %r2, %r3;
+\tsetp.ge.f32 \t%p1, %r2, %r3;
+\tselp.f32 \t%r1, %r2, %r3, %p1;
+\tld.global.nc.v2.f32 \t{%r1, %r2}, [%rd1];
+\tdiv.u32 \t%r1, %r2, %r3;
+\tred.global.add.f32 \t[%rd1], %r2;
+\tfma.rn.f32 \t%r1, %r2, %r3, %r4;
+\tadd.f32 \t%r1, %r2, %r3;
+\tmul.rn.ftz.f32 \t%r1, %r2, %r3;
+\t@%p1 div.full.f32 \t%r1, %r2, %r3;
+\trcp.approx.f32 \t%r1, %r2;
+"""
+    assert gpu_aot.inexact_float_ops(ptx) == {"red.global.add.f32": 1, "fma.rn.f32": 1, "add.f32": 1,
+                                              "mul.rn.ftz.f32": 1, "div.full.f32": 1, "rcp.approx.f32": 1}
+    assert sum(gpu_aot.ptx_float_ops(ptx).values()) == 14  # div.u32 is not a float instruction
+
+
+@needs_plugin
 def test_the_ptx_check_sees_what_it_guards_against():
     """XLA:GPU's float division is PTX div.full (<= 2 ulp), exp an approximation (ex2.approx.ftz, FMAs); the
     portable division, the quantizers' (quant/ieee.py), compiles to integer arithmetic only."""
@@ -50,6 +77,7 @@ def test_the_ptx_check_sees_what_it_guards_against():
     assert out["portable"] == {} and out["portable_ptx"] > 0, out
 
 
+@needs_plugin
 def test_every_quantizer_compiles_to_exactly_rounded_ptx():
     """Every quantizer and dequantizer of tests/quant_cases.py, compiled for the H200: no float instruction whose
     result is not IEEE's (no division or reciprocal but the correctly rounded kind, no FMA contraction, no
@@ -72,6 +100,7 @@ def test_every_quantizer_compiles_to_exactly_rounded_ptx():
     assert all(r["float_ops"] > 0 for r in out.values()), out  # the PTX was read: float arithmetic is there
 
 
+@needs_plugin
 def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     """The GPU's decode step (a fixed round's body, 2-layer Qwen3): every kernel of a bf16 step in one command buffer
     (one CUDA graph launch per token, not one launch per kernel) and no loop inside it (a while loop in the step
@@ -93,6 +122,7 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     assert fp4["nested_loops"] == 0, fp4
 
 
+@needs_plugin
 def test_exact_mode_matmuls_have_one_row_count_on_the_h200():
     """Exact mode's dots on a GPU (invariant.padded_rows): whatever the rows, the GEMM XLA:GPU compiles is the one
     for 64 rows, launched alike - so the sampler's and the learner's programs compute a row the same way. The

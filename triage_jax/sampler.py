@@ -765,8 +765,7 @@ class Engine:
         if device is not None:
             if self.mesh is not None:
                 raise ValueError("compile_decode(device=...) compiles for one device; this engine has a mesh")
-            on = jax.sharding.SingleDeviceSharding(device)
-            args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=on), args)
+            args = _abstract(args, jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), args))
             fixed = fixed_round_loop(self.config.round_loop, device.platform)
         with self._context():
             return _decode_round.with_options(self.config.xla_options).lower(

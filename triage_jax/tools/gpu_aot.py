@@ -132,10 +132,11 @@ _PTX_INSTR = re.compile(r"^\s*(?:@%?!?\w+\s+)?([a-z][a-z0-9]*(?:\.[A-Za-z0-9_:]+
 _FLOAT_TYPE = re.compile(r"\.(f16|f16x2|bf16|bf16x2|f32|f64)(\.|$)")
 # Float instructions whose result is IEEE's (correctly rounded or exact) whatever the hardware: add / sub / mul
 # with an explicit rounding mode (ptxas never contracts those into an FMA), min / max, abs / neg, compares and
-# selects, conversions with a named rounding mode, moves, loads and stores.
+# selects, conversions with a named rounding mode, moves, loads and stores. Not float atomics (red / atom: their
+# order of additions is the scheduler's).
 _EXACT_FLOAT = re.compile(
     r"^(?:(?:add|sub|mul)\.r[nzmp]|(?:min|max)(?:\.NaN)?|abs|neg|setp\.\w+|selp|set\.\w+|testp\.\w+|copysign"
-    r"|cvt(?:\.r[nzmp]i?)?(?:\.sat)?|mov|ld(?:\.\w+)*|st(?:\.\w+)*|shfl(?:\.\w+)*|red(?:\.\w+)*|atom(?:\.\w+)*"
+    r"|cvt(?:\.r[nzmp]i?)?(?:\.sat)?|mov|ld(?:\.\w+)*|st(?:\.\w+)*|shfl(?:\.\w+)*"
     r"|div\.rn|rcp\.rn|sqrt\.rn)"
     r"(?:\.(?:f16|f16x2|bf16|bf16x2|f32|f64|[subp](?:8|16|32|64)|b1|pred|global|shared|local|param|const|nc|v2|v4"
     r"|sync|down|up|bfly|idx|cta|gpu|sys|relaxed|acquire|release|add|min|max))*$")
@@ -150,7 +151,7 @@ def ptx_float_ops(ptx: str | list[str]) -> collections.Counter:
 def inexact_float_ops(ptx: str | list[str]) -> dict[str, int]:
     """The float instructions whose result may differ from IEEE's correctly rounded one or between GPUs: e.g.
     div.full / div.approx / rcp.approx (XLA's float division), fma / mad (two roundings become one), any .ftz
-    (subnormals flushed), ex2 / lg2 / sin / cos / tanh .approx."""
+    (subnormals flushed), ex2 / lg2 / sin / cos / tanh .approx, float atomics."""
     return {op: n for op, n in ptx_float_ops(ptx).items() if ".ftz" in op or not _EXACT_FLOAT.match(op)}
 
 
