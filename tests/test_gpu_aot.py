@@ -57,6 +57,39 @@ def test_inexact_float_ops_names_what_a_gpu_may_round_differently():
     assert sum(gpu_aot.ptx_float_ops(ptx).values()) == 14  # div.u32 is not a float instruction
 
 
+_THUNKS = """\
+001: kCustomKernel [source       | next=003 (2)] wrapped_iota grid: [1, 1, 1] threads: [64, 1, 1]  shared_memory: 0 bytes
+003: kWhile        [prev=002 (1) | sink        ]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    000: kCommandBuffer [source       | next=010 (1)]
+        005: kCustomKernel [source | sink] loop_select_fusion grid: [512, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+        009: kCopy         [source | sink] kCopy
+    010: kWhile         [prev=000 (1) | next=000 (1)]
+condition:
+        011: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        012: kDynamicSliceFusion [source        | next=014 (1)] params=1, results=1
+            013: kCopy [source | sink] kCopy
+        021: kCustomKernel       [prev=019 (1)  | next=024 (2)] gemm_fusion_dot_23 grid: [8192, 1, 1] threads: [64, 1, 1]  shared_memory: 768 bytes
+    054: kCustomKernel       [prev=027 (14) | sink        ] loop_add_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+060: kCustomKernel [source | sink] after_the_loop grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+"""
+
+
+def test_loop_body_thunks_counts_one_iteration_of_the_step_loop():
+    """The decode step's launches from a thunk dump (a scanned model's, trimmed): the top-level loop's body only
+    (not its condition, not what follows the loop), a nested loop's condition and body once each, wrappers
+    (command buffers, loops, dynamic-slice fusions) not counted but their contents, names without suffixes."""
+    r = gpu_aot.loop_body_thunks(_THUNKS)
+    assert r["launches"] == 6 and r["command_buffers"] == 1 and r["nested_loops"] == 1, r
+    assert r["by_name"] == {"kCopy": 2, "loop_select_fusion": 1, "loop_compare_fusion": 1, "gemm_fusion_dot": 1,
+                            "loop_add_fusion": 1}, r
+    with pytest.raises(ValueError, match="no top-level while loop"):
+        gpu_aot.loop_body_thunks(_THUNKS.split("003:")[0])
+
+
 @needs_plugin
 def test_the_ptx_check_sees_what_it_guards_against():
     """XLA:GPU's float division is PTX div.full (<= 2 ulp), exp an approximation (ex2.approx.ftz, FMAs); the

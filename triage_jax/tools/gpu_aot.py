@@ -156,13 +156,14 @@ def inexact_float_ops(ptx: str | list[str]) -> dict[str, int]:
 
 
 _THUNK = re.compile(r"^(\s*)(?:\d+: )?(k\w+)\s")
-_CONTROL = {"kWhile", "kConditional", "kCommandBuffer", "kSequential"}
+_CONTROL = {"kWhile", "kConditional", "kCommandBuffer", "kSequential", "kDynamicSliceFusion"}  # wrappers
 
 
 def loop_body_thunks(thunks: str) -> dict:
     """The thunks of the body of the program's first top-level while loop (the decode round's step loop), by
     kind: launches (kernels, GEMM library calls, copies, memsets; control thunks not counted), the number of
-    command buffers (CUDA graphs) they are grouped into, and nested loops (counted once each)."""
+    command buffers (CUDA graphs) they are grouped into, and nested loops (their condition and body counted once:
+    a scanned model's layer loop runs its body once per layer)."""
     lines = thunks.splitlines()
     start = next((i for i, x in enumerate(lines) if _THUNK.match(x) and _THUNK.match(x).group(2) == "kWhile"
                   and not _THUNK.match(x).group(1)), None)
@@ -172,9 +173,9 @@ def loop_body_thunks(thunks: str) -> dict:
     depth = len(lines[body]) - len(lines[body].lstrip())
     kinds, names = collections.Counter(), collections.Counter()
     for line in lines[body + 1:]:
-        if line.strip() and len(line) - len(line.lstrip()) <= depth:
-            break  # the loop's body ended
         m = _THUNK.match(line)
+        if m and len(m.group(1)) <= depth:
+            break  # the loop's body ended (a nested loop's condition: / body: labels are not thunks)
         if m:
             kinds[m.group(2)] += 1
             if m.group(2) not in _CONTROL:
