@@ -81,9 +81,11 @@ condition:
 def test_loop_body_thunks_counts_one_iteration_of_the_step_loop():
     """The decode step's launches from a thunk dump (a scanned model's, trimmed): the top-level loop's body only
     (not its condition, not what follows the loop), a nested loop's condition and body once each, wrappers
-    (command buffers, loops, dynamic-slice fusions) not counted but their contents, names without suffixes."""
+    (command buffers, loops, dynamic-slice fusions) not counted but their contents, names without suffixes; the
+    launches outside a command buffer counted apart."""
     r = gpu_aot.loop_body_thunks(_THUNKS)
     assert r["launches"] == 6 and r["command_buffers"] == 1 and r["nested_loops"] == 1, r
+    assert r["outside_graphs"] == 4, r  # all but the command buffer's select and copy
     assert r["by_name"] == {"kCopy": 2, "loop_select_fusion": 1, "loop_compare_fusion": 1, "gemm_fusion_dot": 1,
                             "loop_add_fusion": 1}, r
     with pytest.raises(ValueError, match="no top-level while loop"):
@@ -149,7 +151,7 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
                                               overrides=small) for s in ("bf16", "w4a16:fp4_gemm")]))
     """)
     bf16, fp4 = out
-    assert bf16["command_buffers"] == 1 and bf16["nested_loops"] == 0, bf16
+    assert bf16["command_buffers"] == 1 and bf16["outside_graphs"] == 0 and bf16["nested_loops"] == 0, bf16
     assert bf16["launches"] == bf16["by_kind"]["kCustomKernel"] > 0, bf16  # every launch a kernel of the graph
     assert fp4["by_kind"].get("kCustomCall") == 7 * 2, fp4
     assert fp4["nested_loops"] == 0, fp4

@@ -109,14 +109,16 @@ class Compiled:
 
 
 def compile_dumped(compile_fn) -> Compiled:
-    """compile_fn(compiler_options) -> a jax Compiled, run with XLA dumping into a fresh folder; the dump read."""
+    """compile_fn(compiler_options) -> a jax Compiled, run with XLA dumping into a fresh folder; the dump read.
+    Needs the persistent compilation cache off (a cache hit writes no dump)."""
     with tempfile.TemporaryDirectory() as d:
         compiled = compile_fn({"xla_dump_to": d})
         ptx = [open(p).read() for p in sorted(glob.glob(os.path.join(d, "*.ptx")))]
         seq = sorted(glob.glob(os.path.join(d, "*thunk_sequence_after_thunk_passes.txt"))
                      or glob.glob(os.path.join(d, "*thunk_sequence.txt")))
-        if not seq:
-            raise RuntimeError(f"XLA wrote no thunk sequence (dump: {sorted(os.listdir(d))[:8]})")
+        if not seq:  # jax's persistent cache keys programs without xla_dump_to: a hit compiles (and dumps) nothing
+            raise RuntimeError(f"XLA wrote no thunk sequence (dump: {sorted(os.listdir(d))[:8]}); with the "
+                               "persistent compilation cache on, run with JAX_ENABLE_COMPILATION_CACHE=false")
         thunks = open(seq[-1]).read()
     return Compiled(ptx=ptx, thunks=thunks, hlo=compiled.as_text())
 
@@ -162,8 +164,8 @@ _CONTROL = {"kWhile", "kConditional", "kCommandBuffer", "kSequential", "kDynamic
 def loop_body_thunks(thunks: str) -> dict:
     """The thunks of the body of the program's first top-level while loop (the decode round's step loop), by
     kind: launches (kernels, GEMM library calls, copies, memsets; control thunks not counted), the number of
-    command buffers (CUDA graphs) they are grouped into, and nested loops (their condition and body counted once:
-    a scanned model's layer loop runs its body once per layer)."""
+    command buffers (CUDA graphs) they are grouped into and the launches outside any (each its own launch), and
+    nested loops (their condition and body counted once: a scanned model's layer loop runs its body per layer)."""
     lines = thunks.splitlines()
     start = next((i for i, x in enumerate(lines) if _THUNK.match(x) and _THUNK.match(x).group(2) == "kWhile"
                   and not _THUNK.match(x).group(1)), None)
@@ -172,18 +174,25 @@ def loop_body_thunks(thunks: str) -> dict:
     body = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "body:")
     depth = len(lines[body]) - len(lines[body].lstrip())
     kinds, names = collections.Counter(), collections.Counter()
+    graph_indent, outside = None, 0  # the command buffer being read (its thunks are indented below it)
     for line in lines[body + 1:]:
         m = _THUNK.match(line)
         if m and len(m.group(1)) <= depth:
             break  # the loop's body ended (a nested loop's condition: / body: labels are not thunks)
         if m:
-            kinds[m.group(2)] += 1
-            if m.group(2) not in _CONTROL:
+            indent, kind = len(m.group(1)), m.group(2)
+            if graph_indent is not None and indent <= graph_indent:
+                graph_indent = None
+            kinds[kind] += 1
+            if kind == "kCommandBuffer":
+                graph_indent = indent
+            elif kind not in _CONTROL:
+                outside += graph_indent is None
                 fields = line.split("]", 1)[-1].split()
-                names[re.sub(r"(_\d+)+$", "", fields[0]) if fields else m.group(2)] += 1
+                names[re.sub(r"(_\d+)+$", "", fields[0]) if fields else kind] += 1
     launches = sum(n for k, n in kinds.items() if k not in _CONTROL)
-    return {"launches": launches, "command_buffers": kinds["kCommandBuffer"], "nested_loops": kinds["kWhile"],
-            "by_kind": dict(kinds.most_common()), "by_name": dict(names.most_common())}
+    return {"launches": launches, "command_buffers": kinds["kCommandBuffer"], "outside_graphs": outside,
+            "nested_loops": kinds["kWhile"], "by_kind": dict(kinds.most_common()), "by_name": dict(names.most_common())}
 
 
 def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
@@ -235,14 +244,15 @@ def main(argv: list[str] | None = None) -> int:
              f"{H200.split('device_description_str: ')[1].strip()} (deviceless)")
     rows = []
     print(f"decode step on {where}, XLA of jaxlib {_jaxlib_version()}: kernels launched per step")
-    print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6}  most")
+    print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6} {'ungraphed':>9}"
+          f"  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
             r = decode_step(name, sampler, args.batch, device=device)
             rows.append(r)
             top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
-                  f"{r['command_buffers']:>6}  {top}", flush=True)
+                  f"{r['command_buffers']:>6} {r['outside_graphs']:>9}  {top}", flush=True)
     print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), "decode": rows}))
     if args.json:
         with open(args.json, "w") as f:
