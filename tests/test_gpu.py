@@ -140,8 +140,7 @@ def _decode_steps() -> tuple[dict, dict]:
     code = """
 import json, jax
 from triage_jax.tools import gpu_aot
-small = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
+from experiments.bench_gpu import SMALL_MODEL as small  # bench_gpu's 2-layer Qwen3
 print(json.dumps([gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=jax.devices()[0],
                                       overrides=small) for s in ("bf16", "w4a16:fp4_gemm")]))
 """

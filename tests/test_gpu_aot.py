@@ -144,8 +144,7 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     out = _run("""
         import json
         from triage_jax.tools import gpu_aot
-        small = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
+        from experiments.bench_gpu import SMALL_MODEL as small  # bench_gpu's 2-layer Qwen3
         dev = gpu_aot.h200()
         print(json.dumps([gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=dev,
                                               overrides=small) for s in ("bf16", "w4a16:fp4_gemm")]))

@@ -167,8 +167,7 @@ def loop_body_thunks(thunks: str) -> dict:
     command buffers (CUDA graphs) they are grouped into and the launches outside any (each its own launch), and
     nested loops (their condition and body counted once: a scanned model's layer loop runs its body per layer)."""
     lines = thunks.splitlines()
-    start = next((i for i, x in enumerate(lines) if _THUNK.match(x) and _THUNK.match(x).group(2) == "kWhile"
-                  and not _THUNK.match(x).group(1)), None)
+    start = next((i for i, x in enumerate(lines) if re.match(r"\d+: kWhile\s", x)), None)  # unindented: top level
     if start is None:
         raise ValueError("no top-level while loop in the thunk sequence")
     body = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "body:")
