@@ -37,6 +37,7 @@ nothing written). An expert's weight crosses HBM once per row tile of its group.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,7 @@ class FP4GemmWeight:
     k: int = struct.field(pytree_node=False, default=0)
     fmt_name: str = struct.field(pytree_node=False, default="nvfp4")
     rounding: str = struct.field(pytree_node=False, default="floor")
+    splits: tuple[int, ...] = struct.field(pytree_node=False, default=())  # merged: its parts' N (concat_weights)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,12 +81,31 @@ class FP4GemmWeight:
 
     @property
     def factor(self) -> jax.Array:
-        """The output factor: NVFP4's tensor decode scale (NVFP4Tensor.global_decode_scale), 1 for MXFP4."""
-        return fmt.nvfp4_decode_factor(self.amax) if self.fmt_name == "nvfp4" else jnp.float32(1.0)
+        """The output factor: NVFP4's tensor decode scale (NVFP4Tensor.global_decode_scale), 1 for MXFP4; a merged
+        weight's per output column [N] (each part's own)."""
+        if self.fmt_name != "nvfp4":
+            return jnp.float32(1.0)
+        f = fmt.nvfp4_decode_factor(self.amax)
+        return jnp.repeat(f, jnp.asarray(self.splits), total_repeat_length=self.n) if self.splits else f
+
+    def unmerged(self) -> list[FP4GemmWeight]:
+        """The parts of a merged weight (concat_weights), [self] for one weight: slices, nothing re-laid out."""
+        if not self.splits:
+            return [self]
+        parts, n0 = [], 0
+        for i, n in enumerate(self.splits):
+            amax = self.amax[i] if self.fmt_name == "nvfp4" else jnp.float32(0.0)
+            parts.append(FP4GemmWeight(self.codes[:, n0:n0 + n], self.scales[:, n0:n0 + n], amax, n, self.k,
+                                       self.fmt_name, self.rounding))
+            n0 += n
+        return parts
 
     def to_tensor(self) -> fmt.NVFP4Tensor | fmt.MXFP4Tensor:
         """The quantized tensor [N, K] this layout was made from (the exact inverse of prepare_weight; per expert
-        under vmap)."""
+        under vmap). A merged weight has one per part (`unmerged`)."""
+        if self.splits:
+            raise ValueError(f"FP4GemmWeight.to_tensor: a merged weight (parts of N {self.splits}) has no single "
+                             "tensor; take each part's (unmerged())")
         (k_chunks, n_pad, _), (n, k) = self.codes.shape, self.shape
         c = self.codes.astype(jnp.uint32)
         codes = jnp.stack([c & 0xF, c >> 4], axis=2).transpose(1, 0, 2, 3).reshape(n_pad, k_chunks * 16, 2)
@@ -97,7 +118,27 @@ class FP4GemmWeight:
 
     def dequantize(self, dtype=F32) -> jax.Array:
         """The weight's values [N, K], as the quantized tensor's dequantize (the straight-through backward's)."""
+        if self.splits:
+            return jnp.concatenate([p.to_tensor().dequantize(dtype) for p in self.unmerged()], axis=-2)
         return self.to_tensor().dequantize(dtype)
+
+
+def concat_weights(ws: Sequence[FP4GemmWeight]) -> FP4GemmWeight | None:
+    """Weights [N_i, K] that multiply one input as one weight [sum N_i, K]: codes and scales side by side along N,
+    each part's tensor amax kept (its factor scales its own columns), so one kernel launch computes every part
+    (a layer's q / k / v, its gate / up). Its product equals the parts' within the float32 summation order
+    (`accumulation_bound`: the split-K schedule follows the merged N). None where they cannot merge: not all one
+    dense weight of one K and format, a part already merged, or an N that is not a multiple of 64 (its layout's
+    zero padding would sit between two parts' columns)."""
+    ws = list(ws)
+    w0 = ws[0] if ws else None
+    if (len(ws) < 2 or not all(isinstance(w, FP4GemmWeight) for w in ws)
+            or any(w.codes.ndim != 3 or w.splits or w.n % TILE_N for w in ws)
+            or len({(w.k, w.codes.shape[0], w.fmt_name, w.rounding) for w in ws}) != 1):
+        return None
+    amax = jnp.stack([jnp.asarray(w.amax, F32) for w in ws])
+    return FP4GemmWeight(jnp.concatenate([w.codes for w in ws], axis=1), jnp.concatenate([w.scales for w in ws], axis=1),
+                         amax, sum(w.n for w in ws), w0.k, w0.fmt_name, w0.rounding, tuple(w.n for w in ws))
 
 
 def prepare_weight(q: fmt.NVFP4Tensor | fmt.MXFP4Tensor) -> FP4GemmWeight:
@@ -368,7 +409,7 @@ def _dot(x_mk: jax.Array, w, prec) -> jax.Array:
             return be.reference_dot(x_mk, w, prec)  # not a 4-bit weight: xla's
         w = _quantize_kn(w, prec.weight, prec.weight_scaling)  # a raw weight, quantized for this call
     if prec.act == "none" and x_mk.dtype != BF16:  # the kernel's bf16 operand would round them: xla's dot
-        return be.reference_dot(x_mk, w.to_tensor(), prec)
+        return jnp.concatenate([be.reference_dot(x_mk, p.to_tensor(), prec) for p in w.unmerged()], axis=-1)
     # W4A4 / W4A8 on Hopper: the activations quantized as the reference does (token-wise NVFP4, MXFP8, FP8, ...),
     # their exact values (bf16 holds every one) into the kernel, their factor and the weight's after the sum, in
     # the reference's order.
@@ -400,7 +441,7 @@ def _probe() -> tuple[bool, str]:
 
 BACKEND = be.Backend(
     "fp4_gemm", _probe, be.reference_quantize, be.reference_matmul, accelerated=lambda: False,
-    quantize_kn=_quantize_kn, dot=_dot, grouped_dot=_grouped_dot,
+    quantize_kn=_quantize_kn, dot=_dot, grouped_dot=_grouped_dot, concat_weights=concat_weights,
 )  # never picked by `auto` until a GPU measurement shows it faster (experiments/bench_gpu.py)
 
 

@@ -130,6 +130,32 @@ def test_fp4_matmul_compiled_on_gpu(fmt_name):
                 _check(fg.fp4_matmul(x, pw, interpret=False, a_operand=a_operand), x, q)
 
 
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
+def test_merged_weights_give_each_parts_product(fmt_name):
+    """q / k / v as one weight (concat_weights): each part's columns are its own product with its own tensor
+    factor (the parts' amax differ 800x here), the parts come back unchanged, and what cannot merge is refused."""
+    qs = [_weight(n, 128, fmt_name, seed=s) for n, s in ((128, 10), (64, 11), (64, 12))]
+    if fmt_name == "nvfp4":
+        qs[1] = fmt.quantize_nvfp4(jax.random.normal(jax.random.key(13), (64, 128)) * 0.05)  # no outlier: amax ~0.2
+    pws = [fg.prepare_weight(q) for q in qs]
+    merged = fg.concat_weights(pws)
+    assert merged.shape == (256, 128) and merged.splits == (128, 64, 64)
+    x = _x(5, 128)
+    y = fg.fp4_matmul(x, merged, chunks_per_step=2)
+    for part, q, (a, b) in zip(merged.unmerged(), qs, ((0, 128), (128, 192), (192, 256))):
+        _check(y[:, a:b], x, q)
+        for got, want in zip(jax.tree.leaves(part.to_tensor()), jax.tree.leaves(q)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(merged.dequantize()),
+                                  np.concatenate([np.asarray(q.dequantize()) for q in qs]))
+    with pytest.raises(ValueError, match="merged"):
+        merged.to_tensor()
+    assert fg.concat_weights(pws[:1]) is None  # nothing to merge
+    assert fg.concat_weights([pws[0], fg.prepare_weight(_weight(40, 128, fmt_name))]) is None  # N % 64: padding
+    assert fg.concat_weights([pws[0], fg.prepare_weight(_weight(64, 96, fmt_name))]) is None  # another K
+    assert fg.concat_weights([merged, pws[0]]) is None
+
+
 # --- the fp4_gemm backend -----------------------------------------------------------------------------------------
 
 
@@ -215,6 +241,39 @@ def test_fp4_gemm_backend_qragged_dot_matches_xla(preset):
     for wgt in (qw, w):
         got = np.asarray(quant.qragged_dot(x, wgt, gs, prec, backend="fp4_gemm"), np.float32)
         np.testing.assert_allclose(got, ref, rtol=2**-7, atol=1e-6)
+
+
+def test_the_fp4_gemm_samplers_copy_runs_qkv_and_gate_up_as_one_gemm_each():
+    """prepare_model on the fp4_gemm backend: each layer's q / k / v and gate / up become one kernel call each
+    (layers.MergedLinear), and the forward's logits are the xla backend's within the kernel's summation order; a
+    policy that gives k_proj its own precision keeps the three apart; a merged copy refuses to be saved as HF."""
+    from flax import nnx
+
+    from triage_jax.models import Qwen3, get_model_config, hf_io
+    from triage_jax.models.layers import MergedLinear
+    from triage_jax.sampler import prepare_model, sampler_policy
+
+    cfg = get_model_config("tiny", num_hidden_layers=1, dtype="bfloat16", param_dtype="bfloat16")
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.asarray([[5, 17, 99, 3, 8]])
+    policy = sampler_policy("w4a16", backend="fp4_gemm")
+    prepared = prepare_model(model, policy)
+    attn, mlp = prepared.layers[0].attn, prepared.layers[0].mlp
+    assert isinstance(attn.qkv_proj, MergedLinear) and attn.q_proj is None and attn.v_proj is None
+    assert isinstance(mlp.gate_up_proj, MergedLinear) and mlp.up_proj is None and mlp.down_proj is not None
+    assert attn.qkv_proj.kernel.get_value().q.splits == (256, 128, 128)
+    xla = sampler_policy("w4a16", backend="xla")
+    ref = np.asarray(prepare_model(model, xla)(ids, policy=xla))
+    got = np.asarray(prepared(ids, policy=policy))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=0.02 * np.abs(ref).max())
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    with pytest.raises(ValueError, match="merged"):
+        list(hf_io.hf_state_dict(prepared))
+    apart = sampler_policy("w4a16", backend="fp4_gemm", rules=((r"k_proj", "w4a4"),))
+    with pytest.raises(ValueError, match="merged for one precision"):
+        prepared(ids, policy=apart)  # run under another policy than it was prepared with
+    kept = prepare_model(model, apart).layers[0]
+    assert kept.attn.qkv_proj is None and kept.attn.k_proj is not None and kept.mlp.gate_up_proj is not None
 
 
 @pytest.mark.slow

@@ -164,7 +164,7 @@ def test_a_bf16_decode_step_is_one_cuda_graph_on_the_gpu():
     "the CUDA graphs (issue 35's lead); the failure message gives the device's own counts, XPASS if its jax graphs "
     "them"))
 def test_the_fp4_gemm_kernels_run_inside_the_decode_steps_cuda_graph():
-    """The fp4_gemm backend's Mosaic GPU kernels (7 per layer) inside the step's one graph: else the step splits
+    """The fp4_gemm backend's Mosaic GPU kernels (4 per layer) inside the step's one graph: else the step splits
     into a graph per stretch between them and the kernels around them launch one by one."""
     _, fp4 = _decode_steps()
     assert fp4["outside_graphs"] == 0 and fp4["command_buffers"] == 1, (

@@ -32,6 +32,7 @@ class Attention(nnx.Module):
         nkw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps, (KV,), **nkw)
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, (KV,), **nkw)
+        self.qkv_proj = nnx.data(None)  # a MergedLinear of q / k / v in a prequantize_model copy (then those None)
 
     def __call__(self, x_btd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, mask_bts: jax.Array | None,
                  policy: PrecisionPolicy | None = None, *, cache: kvc.KVCache | None = None,
@@ -44,9 +45,13 @@ class Attention(nnx.Module):
         Returns y_btd, or (y_btd, cache) when a cache is given.
         """
         exact = policy is not None and policy.exact
-        q_btnh = apply_rope(self.q_norm(self.q_proj(x_btd, policy), policy), cos_bth, sin_bth, exact)
-        k_btkh = apply_rope(self.k_norm(self.k_proj(x_btd, policy), policy), cos_bth, sin_bth, exact)
-        v_btkh = self.v_proj(x_btd, policy)
+        if self.qkv_proj is not None:
+            q_btnh, k_btkh, v_btkh = self.qkv_proj(x_btd, policy)
+        else:
+            q_btnh, k_btkh, v_btkh = (self.q_proj(x_btd, policy), self.k_proj(x_btd, policy),
+                                      self.v_proj(x_btd, policy))
+        q_btnh = apply_rope(self.q_norm(q_btnh, policy), cos_bth, sin_bth, exact)
+        k_btkh = apply_rope(self.k_norm(k_btkh, policy), cos_bth, sin_bth, exact)
         q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
         if cache is not None:
             i = self.layer if layer_index is None else layer_index

@@ -208,6 +208,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: str = "float32", param_dt
 def hf_state_dict(model: Qwen3) -> Iterator[tuple[str, np.ndarray]]:
     """(HF key, host array in HF layout) one tensor at a time; experts are split into per-expert keys."""
     for key, target, kind, index in hf_tensor_map(model):
+        if target is None:  # merged into one GEMM with its siblings (layers.MergedLinear): a sampler's copy
+            raise ValueError(f"save_pretrained: {key} is pre-quantized (merged); save the high-precision model instead")
         w = _variable(target, kind).get_value()
         if isinstance(w, QuantizedWeight):
             raise ValueError(f"save_pretrained: {key} is pre-quantized; save the high-precision model instead")

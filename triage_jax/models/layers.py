@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +78,35 @@ class Linear(nnx.Module):
         else:
             y = dot(x.reshape(*lead, self.kn[0]))
         return y.reshape(*lead, *self.out_dims)
+
+
+class MergedLinear(nnx.Module):
+    """Linears of one input as one quantized GEMM: their quantized-once kernels side by side along N
+    (`quant.concat_prequantized`), the output split back into each part's (y_q, y_k, y_v). Made by
+    `prequantize_model` in the sampler's copy for a backend whose GEMM is one launch per weight (fp4_gemm), where
+    the parts share one precision; XLA's own GEMMs merge such dots already (its DotMerger)."""
+
+    def __init__(self, parts: Sequence[Linear], kernel: QuantizedWeight):
+        self.in_dims = parts[0].in_dims
+        self.out_dims = tuple(p.out_dims for p in parts)
+        self.paths = tuple(p.path for p in parts)
+        self.kernel = QuantizedKernel(kernel)
+
+    def __call__(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> tuple[jax.Array, ...]:
+        policy = policy_or_default(policy)
+        precs = {policy.for_layer(p) for p in self.paths}
+        if len(precs) != 1 or policy.exact:
+            raise ValueError(f"{'+'.join(self.paths)}: merged for one precision (not exact mode), but this policy "
+                             f"gives {sorted(map(str, precs))}{' in exact mode' if policy.exact else ''}; prepare the "
+                             "sampler's copy (prequantize_model) with the policy it runs under")
+        n_in = len(self.in_dims)
+        if x.shape[x.ndim - n_in:] != self.in_dims:
+            raise ValueError(f"{'+'.join(self.paths)}: input {x.shape} does not end in {self.in_dims}")
+        lead = x.shape[: x.ndim - n_in]
+        y = qdot(x.reshape(*lead, math.prod(self.in_dims)), self.kernel.get_value(), precs.pop(),
+                 backend=policy.backend, name="+".join(self.paths))
+        ends = list(itertools.accumulate(math.prod(o) for o in self.out_dims))
+        return tuple(y[..., e - math.prod(o):e].reshape(*lead, *o) for e, o in zip(ends, self.out_dims))
 
 
 class RMSNorm(nnx.Module):

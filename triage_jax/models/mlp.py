@@ -19,7 +19,12 @@ class MLP(nnx.Module):
         self.gate_proj = Linear((d,), (f,), (EMBED, MLP_AXIS), f"{p}.gate_proj", **kw)  # w_df
         self.up_proj = Linear((d,), (f,), (EMBED, MLP_AXIS), f"{p}.up_proj", **kw)  # w_df
         self.down_proj = Linear((f,), (d,), (MLP_AXIS, EMBED), f"{p}.down_proj", **kw)  # w_fd
+        self.gate_up_proj = nnx.data(None)  # a MergedLinear of gate / up in a prequantize_model copy (those None)
 
     def __call__(self, x_btd: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
-        h_btf = jax.nn.silu(self.gate_proj(x_btd, policy)) * self.up_proj(x_btd, policy)
+        if self.gate_up_proj is not None:
+            g_btf, u_btf = self.gate_up_proj(x_btd, policy)
+        else:
+            g_btf, u_btf = self.gate_proj(x_btd, policy), self.up_proj(x_btd, policy)
+        h_btf = jax.nn.silu(g_btf) * u_btf
         return self.down_proj(h_btf, policy)

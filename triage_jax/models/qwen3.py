@@ -18,12 +18,12 @@ from triage_jax.models import kv_cache as kvc
 from triage_jax.models.attention import Attention, causal_padding_mask
 from triage_jax.models.config import ModelConfig
 from triage_jax.models.layers import (
-    Embed, Linear, QuantizedKernel, RMSNorm, policy_or_default, rope_cos_sin,
+    Embed, Linear, MergedLinear, QuantizedKernel, RMSNorm, policy_or_default, rope_cos_sin,
 )
 from triage_jax.models.mlp import MLP
 from triage_jax.models.moe import GroupedLinear, MoE, load_balancing_loss
 from triage_jax.models.sharding import BATCH, EMBED, LAYERS, LENGTH, QUANTIZED_NAMES, VOCAB, constrain
-from triage_jax.quant import PrecisionPolicy, QuantizedWeight, prequantize, qdot
+from triage_jax.quant import PrecisionPolicy, QuantizedWeight, concat_prequantized, get_backend, prequantize, qdot
 
 F32 = jnp.float32
 
@@ -299,7 +299,31 @@ def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
         w = new.embed.embedding[...].T.astype(new.cfg.dtype)
         names = _quantized_names(new.embed.embedding.get_metadata().get("out_sharding")[::-1], 1, 1)
         new.tied_head_q = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, False), **{QUANTIZED_NAMES: names})
+    _merge_projections(new, policy)
     return new
+
+
+def _merge_projections(model: Qwen3, policy: PrecisionPolicy) -> None:
+    """On a backend that merges quantized weights (Backend.concat_weights: fp4_gemm, one kernel launch per
+    weight), each layer's q / k / v and gate / up projections become one GEMM each (layers.MergedLinear; the
+    parts set to None). Not for stacked layers, exact mode, or parts with different precisions or unquantized.
+    The merged kernel carries no logical names: it is replicated on a mesh (a custom kernel is not partitioned)."""
+    if model.cfg.scan_layers or policy.exact or get_backend(policy.backend).concat_weights is None:
+        return
+    for layer in model.layers:
+        groups = [(layer.attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))]
+        if layer.mlp is not None:
+            groups.append((layer.mlp, "gate_up_proj", ("gate_proj", "up_proj")))
+        for owner, name, part_names in groups:
+            parts = [getattr(owner, p) for p in part_names]
+            if len({policy.for_layer(p.path) for p in parts}) != 1:
+                continue
+            merged = concat_prequantized([p.kernel.get_value() for p in parts], policy.backend)
+            if merged is None:
+                continue
+            setattr(owner, name, MergedLinear(parts, merged))
+            for p in part_names:
+                setattr(owner, p, None)
 
 
 def _quantized_names(names, n_in: int, n_out: int):

@@ -70,6 +70,9 @@ class Backend:
     grouped_dot: optional grouped forward (x [M, K], w, group_sizes [E], prec) -> float32 [M, N]; w raw [E, K, N]
         or quantized [E, N, K]. Without it: `quantize` both operands, then the reference grouped GEMM
         (composed_grouped_dot).
+    concat_weights: optional (weights quantized once by this backend, [N_i, K] each) -> one weight [sum N_i, K]
+        whose dot is the parts' dots side by side, or None where these cannot merge: a backend whose GEMM is one
+        launch per weight (a custom kernel) runs a layer's projections of one input as one (models.layers.MergedLinear).
     unsupported: {op: reason} for the operations in OPS this backend does not provide; asking for one raises
         BackendUnsupportedError with the reason (and a composed forward that needs it does too).
     accelerated: whether "auto" may pick it here.
@@ -83,6 +86,7 @@ class Backend:
     quantize_kn: Callable | None = None
     dot: Callable | None = None
     grouped_dot: Callable | None = None
+    concat_weights: Callable | None = None
     unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

@@ -80,6 +80,20 @@ def prequantize(w_kn: jax.Array, prec: LayerPrecision, *, backend: str = "xla") 
     )
 
 
+def concat_prequantized(ws, backend: str = "xla") -> QuantizedWeight | None:
+    """Weights quantized once for one input (QuantizedWeight [K, N_i], one format) as one [K, sum N_i] whose qdot
+    is the parts' qdots side by side, on a backend that runs it as one GEMM (Backend.concat_weights: fp4_gemm);
+    None where the backend does not merge or these weights cannot be merged."""
+    b = be.get_backend(backend)
+    ws = list(ws)
+    if b.concat_weights is None or not all(isinstance(w, QuantizedWeight) for w in ws):
+        return None
+    if len({w.fmt_name for w in ws}) != 1:
+        return None
+    q = b.concat_weights([w.q for w in ws])
+    return None if q is None else QuantizedWeight(q=q, fmt_name=ws[0].fmt_name)
+
+
 def _check_block(k: int, fmt_name: str, role: str, shapes: str) -> None:
     block = _BLOCK.get(fmt_name)
     if block and k % block:
