@@ -14,7 +14,8 @@ Weight layout (`FP4GemmWeight`, made once by `prepare_weight`, at the sampler's 
   amax   float32: NVFP4's tensor amax; its decode scale amax / 2688 (`factor`, 1 for MXFP4) scales the output.
 
 Kernel: swap-AB, the weights in wgmma's M slot (y^T[N, M] = W . x^T), since decode has M = 1..64 rows and wgmma's
-M is 64: one warpgroup per 64 weight rows, a TMA pipeline over K streaming codes, scales and x^T tiles into shared
+M is 64 (each output tile is written back transposed, so the result is y [M, N] in XLA's layout): one warpgroup
+per 64 weight rows, a TMA pipeline over K streaming codes, scales and x^T tiles into shared
 memory, and per 16-element block: decode in registers with integer bit tricks (E2M1 code -> float32 bits, E4M3 /
 E8M0 code -> float32 bits; no lookup table and no float4 convert, which Mosaic GPU refuses below sm_100), one
 multiply by the block scale (the product e2m1 * s is exact in bfloat16), a store to shared memory and a wgmma
@@ -212,7 +213,9 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
                  split_k: int | None, steps_in_flight: int, interpret: bool, regs: bool) -> jax.Array:
     """The kernel over codes [E, K/32, N, 16], scales [E, K/16 or K/32, N], xt [K/16, 16, P] (P a multiple of
     tile_m), the expert of each row tile tile_expert [P / tile_m] and its valid rows tile_rows (a tile with none
-    is skipped: nothing read, nothing written) -> float32 partial sums [s, N, P] (y^T per K split)."""
+    is skipped: nothing read, nothing written) -> float32 partial sums [s, P, N] (y per K split: the accumulator
+    holds y^T's tile, and is written transposed, so that XLA reads the result in its own row-major layout and
+    fuses what follows (a norm, RoPE, the cache write) instead of launching a transpose per call)."""
     _, k_chunks, n, _ = codes.shape
     mp = xt.shape[-1]
     # Chunks of 32 per pipeline step: at most chunks_per_step, and x^T's tile (64 g tile_m bytes) <= 48 KiB, so
@@ -268,15 +271,23 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
 
         @pl.when(r_gmem[t] > 0)
         def _tile():
-            o_smem[...] = pl.run_scoped(compute, plgpu.ACC((TILE_N, tile_m), F32))
+            acc = pl.run_scoped(compute, plgpu.ACC((TILE_N, tile_m), F32))
+            # y^T's tile [64, tile_m] into y's [tile_m, 64]. Compiled: through a transposed view of the shared-memory
+            # tile, from the transposed register layout (one shuffle per register pair; Mosaic GPU stores a
+            # transposed view only from it; its lowering is checked on the CPU by jax.export). The interpreter has
+            # neither register layouts nor transposed views: there the same values, transposed as an array.
+            if interpret:
+                o_smem[...] = acc.T
+            else:
+                plgpu.transpose_ref(o_smem, (1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ks, pl.ds(n0, TILE_N), pl.ds(m0, tile_m)])
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ks, pl.ds(m0, tile_m), pl.ds(n0, TILE_N)])
             plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((s, n, mp), F32),
+        kernel, out_type=jax.ShapeDtypeStruct((s, mp, n), F32),
         grid=(n // TILE_N, mp // tile_m, s), grid_names=("n", "m", "k"),
-        scratch_types=[plgpu.SMEM((TILE_N, tile_m), F32),
+        scratch_types=[plgpu.SMEM((tile_m, TILE_N), F32),
                        plgpu.SMEM((2 * g, TILE_N, 16), BF16, transforms=a_transforms)],
         compiler_params=mosaic.compiler_params(),
         interpret=mosaic.interpret_params() if interpret else None,
@@ -316,7 +327,7 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
                          jnp.full((tiles,), tile_m, I32), tile_m=tile_m, mx=w.fmt_name == "mxfp4",
                          chunks_per_step=chunks_per_step, split_k=split_k, steps_in_flight=steps_in_flight,
                          interpret=interpret, regs=a_operand == "registers")
-    y = _sum_splits(parts)[:n_true, :m].T
+    y = _sum_splits(parts)[:m, :n_true]
     return y * w.factor if apply_factor else y
 
 
@@ -364,8 +375,8 @@ def fp4_grouped_matmul(x: jax.Array, w: FP4GemmWeight, group_sizes_e: jax.Array,
     parts = _kernel_call(w.codes, w.scales, _xt(x_p, k, p), tile_expert, tile_rows, tile_m=tile_m,
                          mx=w.fmt_name == "mxfp4", chunks_per_step=chunks_per_step, split_k=1,
                          steps_in_flight=steps_in_flight, interpret=interpret, regs=a_operand == "registers")
-    y_t = _sum_splits(parts)[:n_true]  # [N, P]; rows of skipped tiles were never written, and are never read
-    y = jnp.take(y_t, jnp.minimum(dest, p - 1), axis=1).T
+    y_p = _sum_splits(parts)[:, :n_true]  # [P, N]; rows of skipped tiles were never written, and are never read
+    y = jnp.take(y_p, jnp.minimum(dest, p - 1), axis=0)
     y = jnp.where((dest < p)[:, None], y, 0.0)  # rows past the groups: 0, as ragged_dot gives them
     return y * be.per_row_factor(w.factor, be.row_groups(group_sizes_e, m)) if apply_factor else y
 
