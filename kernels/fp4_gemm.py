@@ -14,15 +14,20 @@ Weight layout (`FP4GemmWeight`, made once by `prepare_weight`, at the sampler's 
   amax   float32: NVFP4's tensor amax; its decode scale amax / 2688 (`factor`, 1 for MXFP4) scales the output.
 
 Kernel: swap-AB, the weights in wgmma's M slot (y^T[N, M] = W . x^T), since decode has M = 1..64 rows and wgmma's
-M is 64 (each output tile is written back transposed, so the result is y [M, N] in XLA's layout): one warpgroup
-per 64 weight rows, a TMA pipeline over K streaming codes, scales and x^T tiles into shared
+M is 64; x and y stay in XLA's row-major [M, K] / [M, N] (x's tiles are wgmma's K-major B through transposed views
+of shared memory, and each output tile is written back transposed), so no transpose runs around the call and the
+norms / RoPE / cache writes next to it fuse as they do around XLA's own GEMMs: one warpgroup per 64 weight rows, a
+TMA pipeline over K streaming codes, scales and x tiles into shared
 memory, and per 16-element block: decode in registers with integer bit tricks (E2M1 code -> float32 bits, E4M3 /
 E8M0 code -> float32 bits; no lookup table and no float4 convert, which Mosaic GPU refuses below sm_100), one
 multiply by the block scale (the product e2m1 * s is exact in bfloat16), a store to shared memory and a wgmma
 (bf16 x bf16 -> float32) against x^T. By default the decoded tile goes through shared memory rather than straight
 from registers as wgmma's A operand: Mosaic GPU's CPU interpreter (the tests' only way to run this kernel without a
 GPU) takes wgmma operands from shared memory only, and the default is the tested path; `a_operand="registers"`
-(compiled only) skips the round trip, for the GPU to race. Split-K over a second
+(compiled only) skips the round trip, for the GPU to race. The interpreter has no transposed views either: there
+x's blocks are copied transposed and the output tile transposed as an array (the same values); the compiled views
+are checked on the CPU where Mosaic GPU lowers them (jax.export for CUDA) and on a GPU by the -m gpu tests. Split-K
+over a second
 grid axis fills the SMs at decode shapes (N / 64 CTAs alone are 40 at N = 2560); the partial sums are added in XLA
 in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma's N).
 
@@ -209,22 +214,23 @@ def _check_a_operand(a_operand: str, interpret: bool) -> None:
                          "takes wgmma operands from shared memory only")
 
 
-def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: bool, chunks_per_step: int,
+def _kernel_call(codes, scales, x, tile_expert, tile_rows, *, tile_m: int, mx: bool, chunks_per_step: int,
                  split_k: int | None, steps_in_flight: int, interpret: bool, regs: bool) -> jax.Array:
-    """The kernel over codes [E, K/32, N, 16], scales [E, K/16 or K/32, N], xt [K/16, 16, P] (P a multiple of
+    """The kernel over codes [E, K/32, N, 16], scales [E, K/16 or K/32, N], x [P, K] bf16 (P a multiple of
     tile_m), the expert of each row tile tile_expert [P / tile_m] and its valid rows tile_rows (a tile with none
     is skipped: nothing read, nothing written) -> float32 partial sums [s, P, N] (y per K split: the accumulator
     holds y^T's tile, and is written transposed, so that XLA reads the result in its own row-major layout and
     fuses what follows (a norm, RoPE, the cache write) instead of launching a transpose per call)."""
     _, k_chunks, n, _ = codes.shape
-    mp = xt.shape[-1]
-    # Chunks of 32 per pipeline step: at most chunks_per_step, and x^T's tile (64 g tile_m bytes) <= 48 KiB, so
+    mp = x.shape[0]
+    # Chunks of 32 per pipeline step: at most chunks_per_step, and x's tile (64 g tile_m bytes) <= 48 KiB, so
     # that steps_in_flight of them and the [64, tile_m] float32 output tile fit in 227 KiB of shared memory.
     g, s = _schedule(k_chunks, (n // TILE_N) * (mp // tile_m), min(chunks_per_step, max(1, 768 // tile_m)),
                      split_k, mp)
     steps = k_chunks // g // s
     n_scale_rows = g if mx else 2 * g  # scale rows per step: one per 32 (MXFP4) or per 16 (NVFP4)
-    # x^T tiles [16, tile_m] bf16 as wgmma's B: 32-byte swizzle, so K = 16 per wgmma (a 128-byte swizzle needs 64).
+    # x tiles [tile_m, 32 g] bf16 in 16-column (32-byte) swizzled tiles; each 16 columns, seen transposed, are a
+    # K-major [16, tile_m] B of wgmma (K = 16 per wgmma; a 128-byte swizzle needs 64). x is read as XLA holds it.
     x_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     a_transforms = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 
@@ -233,7 +239,14 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
         # scale vectors in its row-reduced form, so that they broadcast along a tile's rows.
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
 
-    def kernel(e_gmem, r_gmem, c_gmem, s_gmem, x_gmem, o_gmem, o_smem, a_smem):
+    def kernel(e_gmem, r_gmem, c_gmem, s_gmem, x_gmem, o_gmem, o_smem, a_smem, *xt_smem):
+        def x_block(x_smem, j):
+            """Columns 16 j .. 16 j + 15 of the x tile as wgmma's B [16, tile_m]: a transposed view (K-major B).
+            The interpreter has no transposed views: there a transposed copy of the same values."""
+            if interpret:
+                return xt_smem[0].at[j]
+            return plgpu.transpose_ref(x_smem.at[:, pl.ds(16 * j, 16)], (1, 0))
+
         n0 = lax.axis_index("n") * TILE_N
         t = lax.axis_index("m")
         m0 = t * tile_m
@@ -242,6 +255,9 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
 
         def compute(acc_ref):
             def step(_, c_smem, s_smem, x_smem):
+                if interpret:
+                    for j in range(2 * g):
+                        xt_smem[0][j] = x_smem[:, pl.ds(16 * j, 16)].T
                 for c in range(g):
                     codes = load(c_smem.at[c], plgpu.Layout.WGMMA).astype(I32)
                     for h, plane in enumerate((codes & 0xF, codes >> 4)):
@@ -250,23 +266,23 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
                         v = _e2m1_value(plane) * lax.broadcast_in_dim(scale, (TILE_N, 16), (0,))
                         a = (ieee.flush_subnormals(v) if mx else v).astype(BF16)
                         if regs:
-                            plgpu.wgmma(acc_ref, a, x_smem.at[2 * c + h])
+                            plgpu.wgmma(acc_ref, a, x_block(x_smem, 2 * c + h))
                         else:
                             a_smem[2 * c + h] = a
                 if not regs:
                     plgpu.commit_smem()  # the decoded tiles, visible to the tensor cores' async reads
                     for j in range(2 * g):
-                        plgpu.wgmma(acc_ref, a_smem.at[j], x_smem.at[j])
+                        plgpu.wgmma(acc_ref, a_smem.at[j], x_block(x_smem, j))
                 plgpu.wgmma_wait(0)  # before the pipeline reuses x_smem (and a_smem)
 
             plgpu.emit_pipeline(
                 step, grid=(steps,), max_concurrent_steps=steps_in_flight,
                 in_specs=[plgpu.BlockSpec((g, TILE_N, 16), lambda i: (i, 0, 0)),
                           plgpu.BlockSpec((n_scale_rows, TILE_N), lambda i: (i, 0)),
-                          plgpu.BlockSpec((2 * g, 16, tile_m), lambda i: (i, 0, 0), transforms=x_transforms)],
+                          plgpu.BlockSpec((tile_m, 32 * g), lambda i: (0, i), transforms=x_transforms)],
             )(c_gmem.at[e, pl.ds(ks * steps * g, steps * g), pl.ds(n0, TILE_N)],
               s_gmem.at[e, pl.ds(ks * steps * n_scale_rows, steps * n_scale_rows), pl.ds(n0, TILE_N)],
-              x_gmem.at[pl.ds(ks * steps * 2 * g, steps * 2 * g), :, pl.ds(m0, tile_m)])
+              x_gmem.at[pl.ds(m0, tile_m), pl.ds(ks * steps * 32 * g, steps * 32 * g)])
             return acc_ref[...]
 
         @pl.when(r_gmem[t] > 0)
@@ -288,20 +304,20 @@ def _kernel_call(codes, scales, xt, tile_expert, tile_rows, *, tile_m: int, mx: 
         kernel, out_type=jax.ShapeDtypeStruct((s, mp, n), F32),
         grid=(n // TILE_N, mp // tile_m, s), grid_names=("n", "m", "k"),
         scratch_types=[plgpu.SMEM((tile_m, TILE_N), F32),
-                       plgpu.SMEM((2 * g, TILE_N, 16), BF16, transforms=a_transforms)],
+                       plgpu.SMEM((2 * g, TILE_N, 16), BF16, transforms=a_transforms)]
+                      + ([plgpu.SMEM((2 * g, 16, tile_m), BF16)] if interpret else []),
         compiler_params=mosaic.compiler_params(),
         interpret=mosaic.interpret_params() if interpret else None,
-    )(tile_expert.astype(I32), tile_rows.astype(I32), codes, scales, xt)
+    )(tile_expert.astype(I32), tile_rows.astype(I32), codes, scales, x)
 
 
 def _sum_splits(parts: jax.Array) -> jax.Array:
     return functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])  # a fixed order over the splits
 
 
-def _xt(x: jax.Array, k: int, rows: int) -> jax.Array:
-    """x [M, K'] -> x^T as [K/16, 16, rows] bf16, zero-padded to K columns and `rows` rows."""
-    x = jnp.pad(x.astype(BF16), ((0, rows - x.shape[0]), (0, k - x.shape[1])))
-    return x.T.reshape(k // 16, 16, rows)
+def _padded(x: jax.Array, k: int, rows: int) -> jax.Array:
+    """x [M, K'] as bf16 [rows, K], zero-padded."""
+    return jnp.pad(x.astype(BF16), ((0, rows - x.shape[0]), (0, k - x.shape[1])))
 
 
 def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, chunks_per_step: int = 4,
@@ -323,7 +339,7 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
     tile_m = min(256, -(-m // 16) * 16)
     mp = -(-m // tile_m) * tile_m
     tiles = mp // tile_m
-    parts = _kernel_call(w.codes[None], w.scales[None], _xt(x, k, mp), jnp.zeros((tiles,), I32),
+    parts = _kernel_call(w.codes[None], w.scales[None], _padded(x, k, mp), jnp.zeros((tiles,), I32),
                          jnp.full((tiles,), tile_m, I32), tile_m=tile_m, mx=w.fmt_name == "mxfp4",
                          chunks_per_step=chunks_per_step, split_k=split_k, steps_in_flight=steps_in_flight,
                          interpret=interpret, regs=a_operand == "registers")
@@ -372,7 +388,7 @@ def fp4_grouped_matmul(x: jax.Array, w: FP4GemmWeight, group_sizes_e: jax.Array,
     dest, tile_expert, tile_rows = grouped_tiles(group_sizes_e, m, tile_m)
     p = tile_expert.shape[0] * tile_m
     x_p = jnp.zeros((p, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
-    parts = _kernel_call(w.codes, w.scales, _xt(x_p, k, p), tile_expert, tile_rows, tile_m=tile_m,
+    parts = _kernel_call(w.codes, w.scales, _padded(x_p, k, p), tile_expert, tile_rows, tile_m=tile_m,
                          mx=w.fmt_name == "mxfp4", chunks_per_step=chunks_per_step, split_k=1,
                          steps_in_flight=steps_in_flight, interpret=interpret, regs=a_operand == "registers")
     y_p = _sum_splits(parts)[:, :n_true]  # [P, N]; rows of skipped tiles were never written, and are never read
