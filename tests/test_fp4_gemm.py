@@ -130,8 +130,13 @@ def test_fp4_matmul_compiled_on_gpu(fmt_name):
                 _check(fg.fp4_matmul(x, pw, interpret=False, a_operand=a_operand), x, q)
 
 
+ON_GPU = pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu",
+                                                                          reason="the compiled kernel needs a GPU")])
+
+
+@pytest.mark.parametrize("where", ["here", ON_GPU])  # here: the interpreter off a GPU; gpu: the compiled kernel
 @pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
-def test_merged_weights_give_each_parts_product(fmt_name):
+def test_merged_weights_give_each_parts_product(fmt_name, where):
     """q / k / v as one weight (concat_weights): each part's columns are its own product with its own tensor
     factor (the parts' amax differ 800x here), the parts come back unchanged, and what cannot merge is refused."""
     qs = [_weight(n, 128, fmt_name, seed=s) for n, s in ((128, 10), (64, 11), (64, 12))]
