@@ -15,7 +15,7 @@ thunk sequence (the kernels, copies and loops the program launches, in order).
   multiply-add, flush-to-zero): tests/test_gpu_aot.py holds every quantizer to none (docs/numerics.md, "GPU").
 - `decode`: the kernels one decode step of the engine launches on the H200, per sampler, for the GPU's fixed
   decode rounds (bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this
-  table from its own XLA).
+  table from its own XLA), and the seconds it took to trace, lower and compile it (this host's; no autotuning).
 
 Needs the plugin off the default path (installed, it would make every jax import on a GPU-less machine print an
 error): `bash .ci/gpu_aot_plugin.sh` puts jax-cuda13-pjrt / -plugin of the installed jaxlib's version into
@@ -57,6 +57,7 @@ import glob  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -213,13 +214,15 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
     engine = sm.Engine(sm.SamplingConfig(max_new_tokens=capacity - prompt_len),
                        sm.EngineConfig(max_slots=batch, max_len=capacity, max_prompt_len=prompt_len),
                        policy=policy, model=model)
+    t0 = time.perf_counter()
     with mosaic.lowering_for_gpu():  # the fp4_gemm backend's kernel, as a GPU runs it
         out = compile_dumped(lambda opts: engine.compile_decode(batch, capacity, jax.random.key(0), device=device,
                                                                 compiler_options=opts))
+    compile_s = time.perf_counter() - t0
     steps = engine.config.steps_per_round
     body = loop_body_thunks(out.thunks)
     return {"model": model_name, "sampler": sampler, "batch": batch, "layers": cfg.num_hidden_layers,
-            "steps_per_round": steps, **body,
+            "steps_per_round": steps, "compile_s": round(compile_s, 1), **body,
             "launches_per_layer": round(body["launches"] / cfg.num_hidden_layers, 1)}
 
 
@@ -244,14 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"decode step on {where}, XLA of jaxlib {_jaxlib_version()}: kernels launched per step")
     print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6} {'ungraphed':>9}"
-          f"  most")
+          f" {'compile s':>9}  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
             r = decode_step(name, sampler, args.batch, device=device)
             rows.append(r)
             top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
-                  f"{r['command_buffers']:>6} {r['outside_graphs']:>9}  {top}", flush=True)
+                  f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {r['compile_s']:>9}  {top}", flush=True)
     print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), "decode": rows}))
     if args.json:
         with open(args.json, "w") as f:
