@@ -274,7 +274,9 @@ def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
     """A copy whose quantized-weight linear kernels are `QuantizedWeight`s, quantized once (for the sampler).
 
     The copy shares the untouched arrays with `model` (no copy of the high-precision weights); its forward under
-    the same policy equals the on-the-fly quantized forward bit for bit.
+    the same policy equals the on-the-fly quantized forward bit for bit, except where a backend merges a layer's
+    projections into one kernel call (`_merge_projections`: fp4_gemm), whose float32 sums may then run in another
+    order (within the kernel's accumulation bound).
     """
     graphdef, state = nnx.split(model)
     new = nnx.merge(graphdef, state)
