@@ -94,22 +94,35 @@ def test_loop_body_thunks_counts_one_iteration_of_the_step_loop():
 
 @needs_plugin
 def test_the_ptx_check_sees_what_it_guards_against():
-    """XLA:GPU's float division is PTX div.full (<= 2 ulp), exp an approximation (ex2.approx.ftz, FMAs); the
-    portable division, the quantizers' (quant/ieee.py), compiles to integer arithmetic only."""
+    """XLA:GPU's float division is PTX div.full (<= 2 ulp), exp an approximation (ex2.approx.ftz, FMAs), and a
+    float64 division of converted float32s is shrunk back to div.full.f32 (LLVM); the quantizers' division
+    (ieee.div: div_wide on CUDA) compiles to div.rn.f64 and a round-to-nearest convert, the integer one
+    (div_flushed: Pallas kernel bodies, other platforms) to integer arithmetic only."""
     out = _run("""
-        import json, jax.numpy as jnp
+        import json, jax, jax.numpy as jnp
         from triage_jax.tools import gpu_aot
         from triage_jax.quant import ieee
         x = jnp.zeros((4, 256), jnp.float32)
-        native = gpu_aot.compile_fn(lambda a, b: (2688.0 / a, a / b, jnp.exp(a)), x, x)
-        portable = gpu_aot.compile_fn(lambda a, b: (ieee.div(2688.0, a), ieee.div(a, b)), x, x)
-        print(json.dumps({"native": gpu_aot.inexact_float_ops(native.ptx),
-                          "portable": gpu_aot.inexact_float_ops(portable.ptx),
-                          "portable_ptx": sum(len(p) for p in portable.ptx)}))
+
+        def by_convert(a, b):
+            with jax.enable_x64(True):
+                return (a.astype(jnp.float64) / b.astype(jnp.float64)).astype(jnp.float32)
+
+        res = {}
+        for name, fn in {"native": lambda a, b: (2688.0 / a, a / b, jnp.exp(a)), "by_convert": by_convert,
+                         "div": lambda a, b: (ieee.div(2688.0, a), ieee.div(a, b)),
+                         "div_flushed": lambda a, b: (ieee.div_flushed(2688.0, a), ieee.div_flushed(a, b))}.items():
+            c = gpu_aot.compile_fn(fn, x, x)
+            res[name] = {"inexact": gpu_aot.inexact_float_ops(c.ptx), "float_ops": gpu_aot.ptx_float_ops(c.ptx),
+                         "ptx_chars": sum(len(p) for p in c.ptx)}
+        print(json.dumps(res))
     """)
-    assert out["native"].get("div.full.f32", 0) >= 2, out["native"]
-    assert any(op.startswith("ex2.approx") for op in out["native"]), out["native"]
-    assert out["portable"] == {} and out["portable_ptx"] > 0, out
+    assert out["native"]["inexact"].get("div.full.f32", 0) >= 2, out["native"]
+    assert any(op.startswith("ex2.approx") for op in out["native"]["inexact"]), out["native"]
+    assert out["by_convert"]["inexact"] == {"div.full.f32": 1}, out["by_convert"]
+    assert out["div"]["inexact"] == {} and out["div"]["float_ops"].get("div.rn.f64", 0) >= 2, out["div"]
+    assert out["div_flushed"]["inexact"] == {} and not any("div" in op for op in out["div_flushed"]["float_ops"])
+    assert out["div_flushed"]["ptx_chars"] > 0, out["div_flushed"]  # the PTX was read
 
 
 @needs_plugin

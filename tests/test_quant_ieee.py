@@ -1,12 +1,13 @@
 """Backend-independent quantizer numerics, checked on the CPU (docs/numerics.md, "GPU").
 
 - `ieee.div_rn` is IEEE 754 division, bit for bit against NumPy, subnormals, ties and special values included.
-- The quantizers with the portable division that every non-CPU backend runs give the CPU's bits on every case
-  of tests/quant_cases.py.
+- The quantizers with the portable divisions that the non-CPU backends run (div_rn elsewhere, div_wide on CUDA)
+  give the CPU's bits on every case of tests/quant_cases.py.
 - The guard for a GPU lowering that this machine can reach: every quantizer exported for CUDA (`jax.export`,
-  platforms=["cuda"]; the CPU build of jaxlib lowers for CUDA) holds no float division (XLA:GPU's is not
-  correctly rounded) and no float add or subtract fed by a float multiply (what the GPU compiler contracts into
-  an FMA, one rounding instead of two). What happens below StableHLO (PTX) needs a GPU: tests/test_gpu.py.
+  platforms=["cuda"]; the CPU build of jaxlib lowers for CUDA) holds no float32 division (XLA:GPU's is not
+  correctly rounded), no float64 division that LLVM may shrink back to one, and no float add or subtract fed by
+  a float multiply (what the GPU compiler contracts into an FMA, one rounding instead of two). Below StableHLO:
+  tests/test_gpu_aot.py (XLA:GPU's PTX, compiled here) and tests/test_gpu.py (the bits on a device).
 """
 
 import re
@@ -79,7 +80,7 @@ def test_div_is_the_cpu_division_on_every_backend():
     a[:4096] = rng.integers(0, 2**23, 4096).astype(np.uint32).view(F32) * rng.choice([-1, 1], 4096)  # subnormal
     b[4096:8192] = rng.standard_normal(4096) * 1e37  # subnormal quotients
     want = _flush(_np_div(_flush(a), _flush(b)))
-    for fn in (ieee.div, ieee.div_flushed):
+    for fn in (ieee.div, ieee.div_flushed, ieee.div_wide):
         got = np.asarray(jax.jit(fn)(a, b))
         same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
         assert same.all(), (fn.__name__, a[~same][:4], b[~same][:4], want[~same][:4], got[~same][:4])
@@ -91,19 +92,35 @@ def test_flush_subnormals_keeps_everything_else():
     assert list(got.view(np.uint32)) == list(_flush(x).view(np.uint32))
 
 
+def test_div_wide_is_div_flushed_where_rounding_twice_could_bite():
+    """Quotients near 1 with full 24-bit significands (where a float64 quotient lands closest to a float32
+    rounding midpoint), every exponent pair, and the quantizers' own numerators: div_wide's bits are
+    div_flushed's, the integer IEEE division's, NaN canonical in both."""
+    rng = np.random.default_rng(2)
+    n = 1 << 18
+    sig = lambda: (rng.integers(1 << 23, 1 << 24, n) | 1).astype(F32)  # odd 24-bit significands
+    cases = [(sig(), sig()), (_random_floats(rng, n), _random_floats(rng, n)),
+             (np.full(n, 2688.0, F32), _random_floats(rng, n, 0, 0x7F800000)),
+             (np.ones(n, F32), _random_floats(rng, n, 0x00800000, 0x7F800000))]
+    for a, b in cases:
+        got, want = (np.asarray(jax.jit(fn)(a, b)).view(np.uint32) for fn in (ieee.div_wide, ieee.div_flushed))
+        assert np.array_equal(got, want), (a[got != want][:4], b[got != want][:4])
+
+
+@pytest.mark.parametrize("division", ["div_rn", "div_wide"])
 @pytest.mark.parametrize("case", sorted(quant_cases.inputs()))
-def test_portable_division_gives_the_cpu_bits(case):
+def test_portable_division_gives_the_cpu_bits(case, division):
     x = jnp.asarray(quant_cases.inputs()[case])
     native = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
     jax.clear_caches()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ieee, "div", ieee.div_rn)
+        mp.setattr(ieee, "div", getattr(ieee, division))
         portable = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
     jax.clear_caches()
     bad = [op for op in quant_cases.OPS
            if not all(np.array_equal(quant_cases.bits(a), quant_cases.bits(b))
                       for a, b in zip(native[op], portable[op], strict=True))]
-    assert not bad, f"{case}: the portable division changes the bits of {bad}"
+    assert not bad, f"{case}: {division} changes the bits of {bad}"
 
 
 _DEF = re.compile(r'^\s*(%[\w#:]+) = "?(stablehlo\.\w+|func\.call @\w+|call @\w+)"?(.*)$')
@@ -112,7 +129,9 @@ _FLOAT = re.compile(r"x(f16|bf16|f32|f64)>|<(f16|bf16|f32|f64)>")
 
 def cuda_hazards(fn, *args) -> dict[str, list[str]]:
     """The float divisions, and the float adds / subtracts with an operand a float multiply produced, of fn's
-    program exported for CUDA (StableHLO text; every function of the module, branches and callees included)."""
+    program exported for CUDA (StableHLO text; every function of the module, branches and callees included).
+    A float64 division counts only where an operand is a convert: LLVM turns fptrunc(fpext / fpext) into a
+    float32 division (quant/ieee.py, `_widen`); ieee.div_wide's operands are assembled from bits."""
     text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     defs, out = {}, {"divide": [], "multiply_add": []}
     for line in text.splitlines():
@@ -124,10 +143,11 @@ def cuda_hazards(fn, *args) -> dict[str, list[str]]:
         result_type = rest.rsplit(":", 1)[-1]
         if not _FLOAT.search(result_type):
             continue
-        if op == "stablehlo.divide":
+        operands = re.findall(r"%[\w#:]+", rest.rsplit(":", 1)[0])
+        if op == "stablehlo.divide" and (not re.search(r"[x<]f64>", result_type)
+                                         or any(defs.get(a) == "stablehlo.convert" for a in operands)):
             out["divide"].append(line.strip()[:160])
         if op in ("stablehlo.add", "stablehlo.subtract"):
-            operands = re.findall(r"%[\w#:]+", rest.rsplit(":", 1)[0])
             if any(defs.get(a) == "stablehlo.multiply" for a in operands):
                 out["multiply_add"].append(line.strip()[:160])
     return out
@@ -137,6 +157,12 @@ def test_the_guard_sees_what_it_guards_against():
     x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
     h = cuda_hazards(lambda a: a * a + a / 3.0 + jnp.float32(2.0) / a, x)
     assert len(h["divide"]) == 2 and len(h["multiply_add"]) == 1
+
+    def widened_by_convert(a):
+        with jax.enable_x64(True):
+            return (a.astype(jnp.float64) / (a + 1.0).astype(jnp.float64)).astype(jnp.float32)
+
+    assert len(cuda_hazards(widened_by_convert, x)["divide"]) == 1
     assert cuda_hazards(lambda a: ieee.rounded(a * a) + ieee.div(a, a + 1.0), x) == {"divide": [], "multiply_add": []}
 
 

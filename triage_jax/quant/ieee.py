@@ -6,7 +6,8 @@ constant into a multiplication by its rounded reciprocal. The quantizers' scale 
 use IEEE division), so `div_rn` computes the IEEE 754 round-to-nearest-even quotient from the operands' bits with
 integer operations only, which every backend executes exactly (docs/numerics.md, "GPU"). Subnormal operands and
 results are kept (no flush to zero), overflow rounds to infinity, and the special cases are IEEE's; a NaN result is
-the canonical quiet NaN (payloads are not propagated).
+the canonical quiet NaN (payloads are not propagated). On CUDA `div` divides in float64 instead (`div_wide`): PTX's
+`div.rn.f64` is IEEE's, and it compiles an order of magnitude faster than the integer long division.
 """
 
 from __future__ import annotations
@@ -115,14 +116,49 @@ def div_flushed(a: jax.Array, b: jax.Array) -> jax.Array:
     return flush_subnormals(div_rn(flush_subnormals(a), flush_subnormals(b)))
 
 
+def _widen(x: jax.Array) -> jax.Array:
+    """A flushed float32 (no subnormals) as the float64 of the same value, assembled from its bits.
+
+    Not `astype(float64)`: LLVM rewrites fptrunc(fpext(a) / fpext(b)) to a float32 division (the same value
+    when that division is IEEE's), which NVPTX then compiles to `div.full.f32`; it cannot see through integer
+    arithmetic. Sign kept, exponent rebiased (127 -> 1023; 0 stays zero, 255 stays Inf / NaN), fraction shifted
+    to the top of float64's 52 bits."""
+    bits = jax.lax.bitcast_convert_type(x, U32)
+    with jax.enable_x64(True):
+        w = bits.astype(jnp.uint64)
+        ef = (w >> 23) & jnp.uint64(_EXP_MASK)
+        e64 = jnp.where(ef == 0, jnp.uint64(0),
+                        jnp.where(ef == _EXP_MASK, jnp.uint64(0x7FF), ef + jnp.uint64(1023 - 127)))
+        w = ((w & jnp.uint64(0x80000000)) << 32) | (e64 << 52) | ((w & jnp.uint64(_FRAC_MASK)) << 29)
+        return jax.lax.bitcast_convert_type(w, jnp.float64)
+
+
+def div_wide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """div_flushed's bits from one float64 division: the operands flushed and widened (exactly), divided (PTX
+    `div.rn.f64`, IEEE on every NVIDIA GPU), the quotient rounded to float32 and flushed.
+
+    Rounding twice, to float64's 53 bits and then to float32's 24, gives the correctly rounded float32 quotient:
+    double rounding cannot change a quotient of p-bit operands when the wider format has >= 2p + 2 bits
+    (53 >= 50; Figueroa, "When is double rounding innocuous?", 1995), subnormal float32 results included. The
+    quotient of two normal float32s cannot be a float64 subnormal, so a backend's FTZ / DAZ for float64 changes
+    nothing. A NaN result is the canonical quiet NaN, as div_rn's."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    wa, wb = _widen(flush_subnormals(a)), _widen(flush_subnormals(b))
+    with jax.enable_x64(True):
+        q = (wa / wb).astype(jnp.float32)
+    q = flush_subnormals(q)
+    return jnp.where(jnp.isnan(q), jax.lax.bitcast_convert_type(U32(_QNAN), jnp.float32), q)
+
+
 def div(a: jax.Array, b: jax.Array) -> jax.Array:
     """a / b as XLA:CPU divides, on every backend: correctly rounded (IEEE), subnormal operands and results
     flushed to zero. On a CPU that is its own float32 division (LLVM `fdiv` under FTZ/DAZ, ~1.5x faster there than
-    div_rn's integer long division); elsewhere div_rn between flushes (one program picks its branch by the
-    platform it is lowered for). Divisors here are data: XLA rewrites only a division by a compile-time constant
-    as a multiplication by its reciprocal."""
+    div_rn's integer long division); on CUDA div_wide (a float64 division: XLA:GPU spends ~0.1 s of compile on
+    each of div_rn's integer long divisions, ~12 per layer of a W4A4 sampler); elsewhere div_rn between flushes.
+    One program picks its branch by the platform it is lowered for. Divisors here are data: XLA rewrites only a
+    division by a compile-time constant as a multiplication by its reciprocal."""
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=div_flushed)
+    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, cuda=div_wide, default=div_flushed)
 
 
 def recip(b: jax.Array) -> jax.Array:
