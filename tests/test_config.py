@@ -76,6 +76,8 @@ def test_paper_configs_need_paths(name, tmp_path):
         ("sampler.rules", ("(unclosed=bf16",), "sampler.rules.*bad regex"),
         ("model.num_hidden_layers", -1, "model.num_hidden_layers"),
         ("sampler.xla_options", ("xla_gpu_enable_command_buffer",), "sampler.xla_options.*not NAME=VALUE"),
+        ("sampler.backend", "fp4gemm", r"sampler.backend.*'fp4gemm' is not one of .*'fp4_gemm'"),
+        ("learner.backend", "cuda", "learner.backend"),
         ("sampler.xla_options", ("xla_gpu_enable_comand_buffer=FUSION",), "sampler.xla_options.*comand"),
         ("sampler.xla_options", ("xla_gpu_enable_command_buffer=+WHILE",), "sampler.xla_options.*WHILE"),
     ],
@@ -293,3 +295,29 @@ def test_sampler_round_loop_reaches_the_engine_and_is_checked():
     with pytest.raises(ValueError, match=r"sampler.round_loop.*'fixd' is not one of \['auto', 'fixed', 'early_exit'\]"):
         validate(c)
 
+
+
+def test_sampler_backend_reaches_the_samplers_copy():
+    """sampler.backend="fp4_gemm" (the Hopper 4-bit weight GEMM) is what the trainer's sampler copy is prepared
+    for (its q / k / v become one kernel weight at the sync); the default is the learner's xla; exact mode refuses
+    any other backend on either side."""
+    from flax import nnx
+
+    from triage_jax import models, sampler
+    from triage_jax.config import load_config
+    from triage_jax.models.layers import MergedLinear
+
+    c = load_config("configs/tiny.py")
+    assert build.sampler_policy(c).backend == "xla"
+    c.sampler.backend = "fp4_gemm"
+    validate(c)
+    policy = build.sampler_policy(c)
+    assert policy.backend == "fp4_gemm" and policy.for_layer("layers.0.mlp.down_proj").act == "nvfp4"
+    model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=1), rngs=nnx.Rngs(0))
+    copy = sampler.prepare_model(model, policy)
+    assert isinstance(copy.layers[0].attn.qkv_proj, MergedLinear)
+    c.learner.exact, c.learner.precision = True, c.sampler.precision
+    with pytest.raises(ConfigError, match="learner.exact.*sampler.backend='fp4_gemm'"):
+        validate(c)
+    c.sampler.backend = "xla"
+    validate(c)

@@ -109,7 +109,7 @@ def learner_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
 
 def sampler_policy(c: ml_collections.ConfigDict) -> PrecisionPolicy:
     return _sampler_policy(c.sampler.precision, c.sampler.kv_cache, rules=precision_rules(c, "sampler"),
-                           act_scaling=c.sampler.act_scaling, exact=bool(c.learner.exact))
+                           act_scaling=c.sampler.act_scaling, exact=bool(c.learner.exact), backend=c.sampler.backend)
 
 
 def sampling(c: ml_collections.ConfigDict, tok) -> SamplingConfig:

@@ -19,6 +19,7 @@ from triage_jax.data.synthetic import ALL_LEVELS, STYLES
 from triage_jax.data.tokenizers import BPE_MIN_VOCAB
 from triage_jax.models.config import PRESETS as MODEL_PRESETS, REMAT_MODES
 from triage_jax.quant import PRESETS
+from triage_jax.quant.backends import backend_names
 from triage_jax.quant.policy import ACT_SCALINGS, parse_rule
 from triage_jax.rl.corrections import CORRECTIONS
 from triage_jax.rl.delta import DELTA_SOURCES
@@ -101,6 +102,10 @@ def base_config() -> ml_collections.ConfigDict:
     # NVFP4 activations' float32 scale: "row" (per token: a response's numbers never depend on its batch) or
     # "tensor" (one per matmul input, shared by every slot: a mismatch dial, as the learner's per-tensor default)
     c.sampler.act_scaling = "row"
+    # The quantization backend of the sampler's GEMMs (quant.backends): "xla" (the reference; what the learner
+    # computes), "fp4_gemm" (the Mosaic GPU 4-bit weight GEMM for Hopper: W4A16 / W4A8 / W4A4 samplers on an H100 /
+    # H200), "auto" (the best available here), or any registered backend.
+    c.sampler.backend = "xla"
     c.sampler.temperature = 1.0
     c.sampler.top_p = 1.0
     c.sampler.top_k = 0
@@ -239,9 +244,10 @@ def _check_exact(c: ml_collections.ConfigDict) -> None:
     if c.sampler.act_scaling != "row":
         _fail("learner.exact", f"exact mode needs sampler.act_scaling='row' (token-wise scales on both sides), got "
               f"{c.sampler.act_scaling!r}")
-    if c.learner.backend != "xla":
-        _fail("learner.exact", f"exact mode runs on the xla backend (the sampler's); learner.backend="
-              f"{c.learner.backend!r}")
+    for side in ("learner", "sampler"):
+        if c[side].backend != "xla":
+            _fail("learner.exact", f"exact mode runs both sides on the xla backend; {side}.backend="
+                  f"{c[side].backend!r}")
 
 
 def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
@@ -254,6 +260,8 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     _one_of(c, "learner.precision", PRESETS)
     _one_of(c, "sampler.kv_cache", ("bf16", "fp8"))
     _one_of(c, "sampler.act_scaling", ACT_SCALINGS)
+    _one_of(c, "sampler.backend", backend_names())
+    _one_of(c, "learner.backend", backend_names())
     _one_of(c, "rl.agg", AGGREGATIONS)
     _one_of(c, "rl.correction", CORRECTIONS)
     _one_of(c, "model.remat", REMAT_MODES)

@@ -145,6 +145,12 @@ def _unimportable(name: str, module: str, err: Exception) -> Backend:
     return Backend(name, lambda: (False, reason), unsupported={op: reason for op in OPS})
 
 
+def backend_names() -> tuple[str, ...]:
+    """Every name a policy or config may give as its backend (registered, kernel modules not yet imported, "auto"),
+    without importing a kernel module: what config validation reads."""
+    return tuple(sorted({*_REGISTRY, *KERNEL_BACKENDS, "auto"}))
+
+
 def load_kernel_backends() -> None:
     """Import the kernel modules of KERNEL_BACKENDS once each; each registers its backend on import."""
     for name, module in KERNEL_BACKENDS.items():
