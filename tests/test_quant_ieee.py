@@ -123,6 +123,38 @@ def test_portable_division_gives_the_cpu_bits(case, division):
     assert not bad, f"{case}: {division} changes the bits of {bad}"
 
 
+def _with_nan_inf() -> np.ndarray:
+    x = quant_cases.inputs()["bf16"].copy()
+    x[0, 3], x[1, 40], x[2, 7], x[3, :] = np.nan, np.inf, -np.inf, np.nan  # a NaN row: amax from zeros
+    return x
+
+
+@pytest.mark.parametrize("case", sorted(quant_cases.inputs()) + ["nan_inf"])
+def test_the_gpus_sliced_amaxes_give_the_cpu_bits(case):
+    """nvfp4_fake_quant's amaxes off the CPU (formats._amaxes_sliced: block amaxes from 16 strided slices, the
+    global amax reduced from |x|) are the CPU's (_amaxes_reduced: a reduce per block, the global from those), bit
+    for bit, row and tensor scaling, amax given or not, NaN dropped as TE's fmaxf does; and so are the fake-quant
+    values and factors when the CPU takes the sliced branch too."""
+    x = jnp.asarray(_with_nan_inf() if case == "nan_inf" else quant_cases.inputs()[case])
+    for scaling in ("row", "tensor"):
+        given = jnp.max(jnp.abs(x[:, :128]), axis=-1, keepdims=True) if scaling == "row" else jnp.float32(7.5)
+        for amax in (None, given):
+            want, got = (jax.jit(lambda v, a, f=f: f(v, scaling, a))(x, amax)
+                         for f in (fmt._amaxes_reduced, fmt._amaxes_sliced))
+            for w, g in zip(want, got, strict=True):
+                assert np.array_equal(quant_cases.bits(np.asarray(w)), quant_cases.bits(np.asarray(g))), (scaling, amax)
+    ops = ("nvfp4_fake", "nvfp4_fake_row")
+    native = {op: quant_cases.run(op, x) for op in ops}
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fmt, "_amaxes_reduced", fmt._amaxes_sliced)
+        sliced = {op: quant_cases.run(op, x) for op in ops}
+    jax.clear_caches()
+    for op in ops:
+        assert all(np.array_equal(quant_cases.bits(a), quant_cases.bits(b))
+                   for a, b in zip(native[op], sliced[op], strict=True)), op
+
+
 _DEF = re.compile(r'^\s*(%[\w#:]+) = "?(stablehlo\.\w+|func\.call @\w+|call @\w+)"?(.*)$')
 _FLOAT = re.compile(r"x(f16|bf16|f32|f64)>|<(f16|bf16|f32|f64)>")
 
