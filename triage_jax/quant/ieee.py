@@ -7,7 +7,7 @@ use IEEE division), so `div_rn` computes the IEEE 754 round-to-nearest-even quot
 integer operations only, which every backend executes exactly (docs/numerics.md, "GPU"). Subnormal operands and
 results are kept (no flush to zero), overflow rounds to infinity, and the special cases are IEEE's; a NaN result is
 the canonical quiet NaN (payloads are not propagated). On CUDA `div` divides in float64 instead (`div_wide`): PTX's
-`div.rn.f64` is IEEE's, and it compiles an order of magnitude faster than the integer long division.
+`div.rn.f64` is IEEE's, and XLA:GPU compiles it ~3x faster than the integer long division.
 """
 
 from __future__ import annotations
