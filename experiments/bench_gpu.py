@@ -21,7 +21,8 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     bf16 on the same GPU, the same weights); the fraction of the memory roofline (weight + KV bytes read per decode
     step / step time / copy bandwidth); the kernels one decode step launches (ops/step: the work instructions in
     the compiled decode loop's body, by kind: fusions, GEMM custom calls, copies); the first call's seconds
-    (compile included) in a fresh process, with an empty and with a filled persistent compilation cache.
+    (compile included) in a fresh process, with an empty and with a filled persistent compilation cache, for the
+    samplers of --first_call_samplers (bf16 by default; the main config samples with w4a4).
     Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the engine compiled with command buffers over its decode
     loop too / with none: is the step launch-bound, and do CUDA graphs fix it?), `bf16_exit` (decode rounds that
     exit early: a host round trip per step, the CPU's loop; every other sampler runs the GPU's fixed rounds),
@@ -371,7 +372,7 @@ from triage_jax import models
 from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
 cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16", scan_layers={scan}, **{overrides!r})
 model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
-policy = sampler_policy("bf16")
+policy = sampler_policy({preset!r}, backend={backend!r})
 eng = Engine(SamplingConfig(max_new_tokens={new}), EngineConfig(max_slots={b}, max_len={plen} + {new},
              max_prompt_len={plen}, prefill_batch={b}), policy=policy, model=prepare_model(model, policy))
 rng = np.random.default_rng(0)
@@ -382,16 +383,21 @@ print("FIRST_CALL_S", time.perf_counter() - t1)
 """
 
 
-def first_call(name: str, b: int, plen: int, new: int, scan: bool = False, overrides: dict | None = None) -> dict:
+def first_call(name: str, b: int, plen: int, new: int, scan: bool = False, overrides: dict | None = None,
+               sampler: str = "bf16") -> dict:
     """The engine's first generate in a fresh process: compile included, with an empty and a filled cache (keys
-    cold_s / cached_s; scan_cold_s / scan_cached_s for a scan_layers=True model). `overrides`: model config fields
-    (--small's sizes)."""
+    cold_s / cached_s; scan_cold_s / scan_cached_s for a scan_layers=True model; prefixed with the sampler's label
+    for any sampler but bf16, e.g. w4a4_cold_s). `overrides`: model config fields (--small's sizes)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    preset, _, layout = sampler.partition("_")
+    prefix = "" if sampler == "bf16" else sampler + "_"
     out = {}
     with tempfile.TemporaryDirectory() as cache:
         for label in ("scan_cold", "scan_cached") if scan else ("cold", "cached"):
             env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-            code = FIRST_CALL.format(name=name, b=b, plen=plen, new=new, scan=scan, overrides=overrides or {})
+            label = prefix + label
+            code = FIRST_CALL.format(name=name, b=b, plen=plen, new=new, scan=scan, overrides=overrides or {},
+                                     preset=preset, backend=LAYOUT_BACKENDS[layout])
             r = subprocess.run([sys.executable, "-c", code],
                                cwd=root, env=env, capture_output=True, text=True, timeout=600)
             line = [x for x in r.stdout.splitlines() if x.startswith("FIRST_CALL_S")]
@@ -457,6 +463,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--samplers", default="bf16,w4a16,w4a16_int8,w4a16_fp4gemm,w4a4,w4a4_fp4gemm",
                     help="engine samplers, <preset>[_<layout>] as the GEMM variants (bf16 first: the baseline)")
     ap.add_argument("--no_hf", dest="hf", action="store_false")
+    ap.add_argument("--first_call_samplers", default="bf16",
+                    help="first_call for these samplers (<preset>[_<layout>]; the main config's is w4a4)")
     ap.add_argument("--first_call_scan", action="store_true",
                     help="first_call also for the model with scan_layers=True (its compile time vs unrolled)")
     ap.add_argument("--json", default=None, help="also write the JSON line's object to this file")
@@ -511,9 +519,10 @@ def main(argv=None) -> dict:
     if "first_call" in args.parts:
         name = args.models[-1]
         fc = {}
-        for scan in (False, True) if args.first_call_scan else (False,):
-            fc.update(first_call(name, args.batches[0], args.prompt_len, args.new_tokens, scan,
-                                 SMALL_MODEL if args.small else None))
+        for sampler in args.first_call_samplers.split(","):
+            for scan in (False, True) if args.first_call_scan else (False,):
+                fc.update(first_call(name, args.batches[0], args.prompt_len, args.new_tokens, scan,
+                                     SMALL_MODEL if args.small else None, sampler))
         res["first_call"] = {"model": name, **fc}
         print(f"\nfirst rollout call in a fresh process ({name}): {fc}")
     if "agree" in args.parts:

@@ -44,9 +44,11 @@ def test_engine_hf_and_first_call_run_in_the_dry_run():
     """The engine table's HF `generate` row (torch on the CPU here, the GPU there) and the first call's fresh
     processes (an empty, then a filled compilation cache) run off a GPU too, so a transformers / torch API change
     or a broken first-call script shows here, not in the GPU's minutes."""
-    res = bg.main(["--small", "--parts", "engine,first_call", "--samplers", "bf16"])
+    res = bg.main(["--small", "--parts", "engine,first_call", "--samplers", "bf16",
+                   "--first_call_samplers", "bf16,w4a4"])
     rows = {r["sampler"]: r for r in res["engine"]}
     assert set(rows) == {"bf16", "hf"} and "error" not in rows["hf"], rows
     assert rows["hf"]["decode_tok_s"] > 0 and rows["hf"]["vs_bf16"] > 0
     fc = res["first_call"]
     assert fc["cold_s"] > 0 and fc["cached_s"] > 0, fc
+    assert fc["w4a4_cold_s"] > 0 and fc["w4a4_cached_s"] > 0, fc  # the main config's sampler
