@@ -296,7 +296,6 @@ def test_sampler_round_loop_reaches_the_engine_and_is_checked():
         validate(c)
 
 
-
 def test_sampler_backend_reaches_the_samplers_copy():
     """sampler.backend="fp4_gemm" (the Hopper 4-bit weight GEMM) is what the trainer's sampler copy is prepared
     for (its q / k / v become one kernel weight at the sync); the default is the learner's xla; exact mode refuses
