@@ -596,8 +596,7 @@ def _amaxes_sliced(x: jax.Array, scaling: Scaling, amax: jax.Array | None) -> tu
     """_amaxes_reduced's bits ("row" / "tensor"), the global amax reduced from |x| itself and the block amaxes by
     slices (_block_amax_by_slices)."""
     if amax is None:
-        absx = _nan_to_zero_abs(x)
-        amax = ieee.flush_subnormals(jnp.max(absx, axis=-1, keepdims=True) if scaling == "row" else jnp.max(absx))
+        amax = amax_from_blocks(_nan_to_zero_abs(x), scaling)  # |x| as blocks of one: the same reduce and flush
     return _block_amax_by_slices(x), amax
 
 
