@@ -320,3 +320,42 @@ def test_sampler_backend_reaches_the_samplers_copy():
         validate(c)
     c.sampler.backend = "xla"
     validate(c)
+
+
+def test_scan_layers_reaches_the_learners_model_and_the_hf_checkpoints(tmp_path):
+    """model.scan_layers (on in the paper configs) stacks the learner's layers, from a preset and from an HF
+    checkpoint alike; an HF checkpoint gets the run's execution settings too (the paper configs' remat and chunked
+    attention: without them a 20k-token learner step runs out of memory), not the checkpoint's defaults."""
+    from flax import nnx
+
+    from triage_jax import models
+
+    assert load("qwen3_4b").model.scan_layers and not base_config().model.scan_layers
+    c = base_config()
+    c.model.scan_layers, c.model.remat, c.model.attn_chunk = True, "full", 32
+    mc = build.model_config(c, 64)
+    assert mc.scan_layers
+    models.save_pretrained(models.Qwen3(mc.replace(scan_layers=False), rngs=nnx.Rngs(0)), tmp_path)
+    c.model.hf_path, c.model.dtype, c.model.param_dtype = str(tmp_path), "bfloat16", "float32"
+    model = build.initial_model(c, build.model_config(c, 64), tok=None, src=None)
+    got = model.cfg
+    assert (got.scan_layers, got.remat, got.attn_chunk, got.dtype, got.param_dtype) == (
+        True, "full", 32, "bfloat16", "float32")
+    assert model.layers.attn.q_proj.kernel[...].shape[0] == got.num_hidden_layers  # stacked
+    assert model.layers.attn.q_proj.kernel[...].dtype == "float32"
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"learner.rules": ("last:1=bf16",)}, r"model\.scan_layers: scanned layers share one precision"),
+    ({"learner.exact": True, "sampler.precision": "bf16", "learner.precision": "bf16",
+      "sampler.act_scaling": "row"}, r"learner\.exact: exact mode needs the learner's layers unrolled"),
+])
+def test_scan_layers_refuses_what_a_scanned_learner_cannot_do(over, match):
+    c = base_config()
+    c.model.scan_layers = True
+    validate(c)
+    for key, value in over.items():
+        sect, name = key.split(".")
+        c[sect][name] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c)

@@ -156,3 +156,27 @@ def test_stacked_and_per_layer_caches_agree_on_either_model(pair, kv_format):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=str(key))
     if kv_format == "fp8":  # each layer set its own scale at its first write
         assert len(set(np.asarray(base_cache.k_scale).tolist())) == 3
+
+
+def test_unstack_layers_gives_the_per_layer_model_with_each_layers_weights(pair):
+    """The trainer's scanned learner -> the sampler's unrolled copy: layer i gets slice i of every stacked
+    variable (a wrong order or a shared slice changes the forward), and the copy decodes like the looped model."""
+    from triage_jax.models import unstack_layers
+    from triage_jax.sampler import prepare_model
+
+    looped, scanned = pair
+    unrolled = unstack_layers(scanned)
+    assert not unrolled.cfg.scan_layers and len(unrolled.layers) == 3
+    assert unstack_layers(looped) is looped
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(unrolled.layers[i].attn.o_proj.kernel[...]),
+                                      np.asarray(looped.layers[i].attn.o_proj.kernel[...]))
+    ids, mask = _batch()
+    (a, aux_a), (b, aux_b) = fwd(looped, ids, mask), fwd(unrolled, ids, mask)
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))  # the same per-layer program: the same bits
+    # prepare_model (the sampler sync) unstacks: its quantized copy has per-layer kernels.
+    policy = PrecisionPolicy.from_spec("w4a4", act_scaling="row")
+    q = prepare_model(scanned, policy)
+    assert not q.cfg.scan_layers
+    np.testing.assert_array_equal(np.asarray(fwd(q, ids, mask, policy)[0]),
+                                  np.asarray(fwd(prepare_model(looped, policy), ids, mask, policy)[0]))

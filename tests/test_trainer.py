@@ -396,3 +396,20 @@ def test_exact_mode_run_has_zero_mismatch(tmp_path):
         assert m["mismatch/mean_abs_delta"] == 0.0
         assert m["mismatch/delta_q05"] == 0.0 and m["mismatch/delta_q95"] == 0.0
     assert any(m["learner/policy_loss"] != 0 for m in hist)
+
+
+def test_scanned_learner_trains_with_an_unrolled_sampler_and_resumes(tmp_path):
+    """model.scan_layers=True (the paper configs): the learner's layers are stacked, every sync hands the sampler
+    the unrolled copy (its decode step), and the stacked checkpoint restores."""
+    c = small_config(tmp_path, **{"model.scan_layers": True, "train.steps": 2})
+    tr = Trainer(c)
+    hist = tr.run()
+    assert tr.learner.model().cfg.scan_layers
+    assert tr.learner.model().layers.attn.q_proj.kernel[...].shape[0] == 2
+    assert not tr.sampler_model.cfg.scan_layers and len(tr.sampler_model.layers) == 2
+    assert len(hist) == 2 and all(np.isfinite(m["learner/loss"]) for m in hist)
+    assert all(m["mismatch/mean_abs_delta"] > 0 for m in hist)
+    resumed = Trainer(c)
+    assert resumed.restore() and resumed.step == 2
+    for a, b in zip(jax.tree.leaves(tr.learner.params), jax.tree.leaves(resumed.learner.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -62,7 +62,7 @@ def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> models.ModelC
     """Model hyperparameters: the HF checkpoint's config, else the preset (tokenizer-sized vocab and another depth
     if asked)."""
     overrides = {"dtype": c.model.dtype, "param_dtype": c.model.param_dtype, "remat": c.model.remat,
-                 "attn_chunk": c.model.attn_chunk}
+                 "attn_chunk": c.model.attn_chunk, "scan_layers": bool(c.model.scan_layers)}
     if c.model.hf_path:
         return models.ModelConfig.from_hf_config(os.path.join(c.model.hf_path, "config.json")).replace(**overrides)
     if c.model.vocab_size:
@@ -80,8 +80,8 @@ def initial_model(c: ml_collections.ConfigDict, model_cfg, tok, src, *, progress
     """The policy RL starts from: the HF checkpoint, the cached supervised warm-up, or a seeded random init."""
     from triage_jax.warmup import warm_start
 
-    if c.model.hf_path:
-        return models.from_pretrained(c.model.hf_path, dtype=c.model.dtype)
+    if c.model.hf_path:  # its weights, run as model_config says (dtypes, remat, chunked attention, scan)
+        return models.from_pretrained(c.model.hf_path, **model_cfg.execution())
     if c.warmup.enabled and c.data.source == "synthetic":
         return warm_start(c, model_cfg, tok, src, progress=progress)
     return models.Qwen3(model_cfg, rngs=nnx.Rngs(c.seed))
@@ -253,6 +253,6 @@ def load_policy(c: ml_collections.ConfigDict, step: int | None = None) -> tuple[
             raise FileNotFoundError(f"no usable checkpoint{'' if step is None else f' at step {step}'} under "
                                     f"{ck.directory}")
         return nnx.merge(graphdef, got[1]["params"]), tok, got[0]
-    if c.model.hf_path:
-        return models.from_pretrained(c.model.hf_path, dtype=c.model.dtype), tok, None
+    if c.model.hf_path:  # its weights, run as model_config says (dtypes, remat, chunked attention, scan)
+        return models.from_pretrained(c.model.hf_path, **model_cfg.execution()), tok, None
     raise FileNotFoundError(f"no checkpoint under {ck.directory} and no config.model.hf_path to evaluate")

@@ -241,12 +241,14 @@ class Learner:
 
     # ------------------------------------------------------------------------------------------ recompute
     def _logprobs_impl(self, params, input_ids, attn_mask, resp_len: int, routing=None):
-        model = nnx.merge(self.graphdef, params)
         n = input_ids.shape[0]
         k = max(1, n // self.micro)
 
         def one(args):
             ids, am, rt = args
+            # Variables of the map body's own trace level (jax.tree.map makes new ones): nnx.scan (scan_layers)
+            # refuses a module whose variables belong to an outer trace.
+            model = nnx.merge(self.graphdef, jax.tree.map(lambda v: v, params))
             logp, ent, _ = batch_logprobs(model, ids, am, resp_len, policy=self.policy,
                                           temperature=self.settings.temperature,
                                           vocab_chunk=self.settings.vocab_chunk, routing=rt)

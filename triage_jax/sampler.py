@@ -121,10 +121,11 @@ def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", *, rules=(), ac
 
 
 def prepare_model(model, policy: PrecisionPolicy):
-    """Quantize the weights once for generation (the learner -> sampler sync); no-op for high precision."""
+    """The sampler's copy (the learner -> sampler sync): per-layer modules (a scan_layers=True learner's layers
+    unstacked: models.unstack_layers), the weights quantized once (no-op for high precision)."""
     from triage_jax import models
 
-    return models.prequantize_model(model, policy)
+    return models.prequantize_model(models.unstack_layers(model), policy)
 
 
 def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:

@@ -124,7 +124,7 @@ def warm_start(c: ml_collections.ConfigDict, model_cfg, tok, source: SyntheticMa
     path = cache_path(c, model_cfg, tok, source)
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("warm-up: reusing %s", path)
-        return models.from_pretrained(path, dtype=c.model.dtype)
+        return models.from_pretrained(path, **model_cfg.execution())
     model = models.Qwen3(model_cfg, rngs=nnx.Rngs(c.seed))
     seq_len = warmup_seq_len(c, tok, source)
     losses = train_sft(model, source, tok, steps=c.warmup.steps, batch_size=c.warmup.batch_size, lr=c.warmup.lr,

@@ -19,6 +19,10 @@ REMAT_MODES = ("none", "full", "save_dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# The ModelConfig fields that say how a model runs, not what it is (an HF config.json has none of them).
+EXECUTION_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attn_chunk", "moe_row_chunk")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Qwen3 / Qwen3-MoE hyperparameters (HF names). num_experts == 0 means a dense model."""
@@ -109,6 +113,11 @@ class ModelConfig:
                 "ModelConfig.scan_layers=True needs identical layers; mlp_only_layers / decoder_sparse_step mix "
                 "dense and MoE layers"
             )
+
+    def execution(self) -> dict:
+        """The execution settings (not part of a checkpoint), as keywords for from_pretrained / replace: a model
+        loaded from HF files runs as this one does."""
+        return {k: getattr(self, k) for k in EXECUTION_FIELDS}
 
     @property
     def is_moe(self) -> bool:

@@ -270,6 +270,22 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
     return x_btd, st, ex, (out if cache.stacked else kvc.unstack(out))
 
 
+def unstack_layers(model: Qwen3) -> Qwen3:
+    """A scan_layers=True model as the per-layer model (scan_layers=False) with the same weights, each layer's
+    variables a slice of the stacked ones; any other model as it is. The learner scans its layers (one layer to
+    compile); the sampler's decode step runs them unrolled (scanned layers copy their weights out of the stack
+    at every step: tools/gpu_aot decode)."""
+    if not model.cfg.scan_layers:
+        return model
+    cfg = model.cfg.replace(scan_layers=False)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+    pure = nnx.to_pure_dict(nnx.state(model))
+    stacked = pure.pop("layers")
+    pure["layers"] = {i: jax.tree.map(lambda v, i=i: v[i], stacked) for i in range(cfg.num_hidden_layers)}
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
 def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
     """A copy whose quantized-weight linear kernels are `QuantizedWeight`s, quantized once (for the sampler).
 
