@@ -46,8 +46,11 @@ step "gpu tests" 110 python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider tests/
 step "align" 40 python3 -m triage_jax.tools.align
 run_dir="$out/tiny_run"
 rm -rf "$run_dir"
+# The learner as the paper configs run it (model.scan_layers: stacked layers, the sampler's copy unstacked at each
+# sync; remat full): the layout a GPU user's qwen3_4b run trains in.
 step "main job (tiny, 3 steps)" 100 python3 -m triage_jax.main --config=configs/tiny.py --config.train.steps=3 \
-  --config.train.ckpt_every=3 --config.run_dir="$run_dir" --config.warmup.cache_dir="$out/warmup_cache"
+  --config.train.ckpt_every=3 --config.run_dir="$run_dir" --config.warmup.cache_dir="$out/warmup_cache" \
+  --config.model.scan_layers=True --config.model.remat=full
 step "main job: metrics, checkpoint" 15 python3 - "$run_dir" <<'EOF'
 import json, math, os, sys
 run = sys.argv[1]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triage_jax.config import base_config, flatten
+from triage_jax.config import ConfigError, base_config, flatten
 from triage_jax.trainer import NonFiniteError, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -400,8 +400,9 @@ def test_exact_mode_run_has_zero_mismatch(tmp_path):
 
 def test_scanned_learner_trains_with_an_unrolled_sampler_and_resumes(tmp_path):
     """model.scan_layers=True (the paper configs): the learner's layers are stacked, every sync hands the sampler
-    the unrolled copy (its decode step), and the stacked checkpoint restores."""
-    c = small_config(tmp_path, **{"model.scan_layers": True, "train.steps": 2})
+    the unrolled copy (its decode step), and the stacked checkpoint restores; resuming it with the layers
+    unrolled fails naming the key, and leaves the checkpoints where they are."""
+    c = small_config(tmp_path, **{"model.scan_layers": True, "model.remat": "full", "train.steps": 2})
     tr = Trainer(c)
     hist = tr.run()
     assert tr.learner.model().cfg.scan_layers
@@ -413,3 +414,7 @@ def test_scanned_learner_trains_with_an_unrolled_sampler_and_resumes(tmp_path):
     assert resumed.restore() and resumed.step == 2
     for a, b in zip(jax.tree.leaves(tr.learner.params), jax.tree.leaves(resumed.learner.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    unrolled = Trainer(small_config(tmp_path, **{"model.remat": "full", "train.steps": 2}))
+    with pytest.raises(ConfigError, match=r"model\.scan_layers=False, but .* hold the learner's layers stacked"):
+        unrolled.restore()
+    assert unrolled.ckpt.all_steps() == [2] and not unrolled.ckpt.unusable()

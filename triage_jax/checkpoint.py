@@ -348,6 +348,14 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - best effort: the save error is what matters
             pass
 
+    def read_meta(self, step: int) -> dict | None:
+        """The JSON metadata saved with `step` (without its state), or None where it cannot be read."""
+        try:
+            meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception:  # noqa: BLE001 - restore() itself reports (and sets aside) what is unreadable
+            return None
+        return dict(meta) if isinstance(meta, dict) else None
+
     def restore(self, abstract_state: Any, step: int | None = None, *, required_meta: Sequence[str] = (),
                 owner: bool = False) -> tuple[int, Any, dict] | None:
         """Restore `step` (default: the newest usable one), verifying its fingerprint and `required_meta` fields.

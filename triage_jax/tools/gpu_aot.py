@@ -2,6 +2,8 @@
 
     python -m triage_jax.tools.gpu_aot decode [--models qwen3_0_6b] [--samplers bf16,w4a16,w4a16:xla_int8]
         [--batch 64] [--local] [--json PATH]
+    python -m triage_jax.tools.gpu_aot learner [--config configs/qwen3_4b.py] [--precisions bf16,w4a4]
+        [--scan true,false] [--devices 8] [--layers N] [--json PATH]
 
 XLA compiles for a GPU it is only told about (deviceless AOT: jax.experimental.topologies with a target config,
 the device description the compiler reads) through jax's CUDA PJRT plugin, which loads without a driver or CUDA
@@ -16,6 +18,8 @@ thunk sequence (the kernels, copies and loops the program launches, in order).
 - `decode`: the kernels one decode step of the engine launches on the H200, per sampler, for the GPU's fixed
   decode rounds (bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this
   table from its own XLA), and the seconds it took to trace, lower and compile it (this host's; no autotuning).
+- `learner`: the seconds to lower and compile the trainer's learner update of a run config for a node of H200s,
+  with the layers scanned (model.scan_layers) or unrolled.
 
 Needs the plugin off the default path (installed, it would make every jax import on a GPU-less machine print an
 error): `bash .ci/gpu_aot_plugin.sh` puts jax-cuda13-pjrt / -plugin of the installed jaxlib's version into
@@ -226,19 +230,75 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
             "launches_per_layer": round(body["launches"] / cfg.num_hidden_layers, 1)}
 
 
+def h200s(count: int) -> list:
+    """`count` compile-only H200s (one node's NVLink topology)."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(platform="cuda", target_config=H200, topology=f"1x1x{count}").devices)
+
+
+def learner_step(config: str, precision: str, scan_layers: bool, *, devices: int = 8, layers: int = 0,
+                 responses: int = 0, prompt_len: int = 256, resp_len: int = 1024) -> dict:
+    """Seconds to lower and compile the trainer's learner update (one mini-batch: forward, backward, optimizer)
+    of the config file `config` (e.g. configs/qwen3_4b.py; abstract weights) for `devices` compile-only H200s on
+    its mesh's fsdp axis, at learner.precision `precision`, with the layers scanned or unrolled. The sequence
+    lengths barely move the compile time (the op count does); responses default to one per device."""
+    import importlib.util
+
+    from triage_jax import build
+    from triage_jax import sharding as shd
+    from triage_jax.config import validate
+    from triage_jax.tools.dryrun import abstract_model
+
+    spec = importlib.util.spec_from_file_location("run_config", config)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    n = responses or devices
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, devices, 1, 1
+    c.learner.precision, c.model.scan_layers = precision, scan_layers
+    c.rl.micro_batch = c.rl.mini_batch = c.rl.num_prompts = n
+    c.rl.group_size, c.rl.std_normalize, c.rl.dynamic_sampling = 1, False, False  # shapes only
+    c.sampler.max_prompt_len, c.sampler.max_new_tokens = prompt_len, resp_len
+    c.rl.overlong_buffer = min(c.rl.overlong_buffer, resp_len - 1)
+    if layers:
+        c.model.num_hidden_layers = layers
+    validate(c, check_paths=False)
+    model_cfg = build.model_config(c, 0)
+    learner = build.learner(c, abstract_model(model_cfg), mesh=shd.make_mesh(c.mesh.to_dict(), h200s(devices)),
+                            abstract=True)
+    t0 = time.perf_counter()
+    lowered = learner.lower_update(n, prompt_len, resp_len)
+    t1 = time.perf_counter()
+    lowered.compile()
+    return {"config": os.path.basename(config), "precision": precision, "scan_layers": scan_layers,
+            "layers": model_cfg.num_hidden_layers, "devices": devices, "responses": n,
+            "tokens": prompt_len + resp_len, "lower_s": round(t1 - t0, 1),
+            "compile_s": round(time.perf_counter() - t1, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["decode"])
+    ap.add_argument("what", choices=["decode", "learner"])
     ap.add_argument("--models", default="qwen3_0_6b")
     ap.add_argument("--samplers", default="bf16,w4a16")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--config", default="configs/qwen3_4b.py", help="learner: the run config")
+    ap.add_argument("--precisions", default="bf16,w4a4", help="learner: learner.precision values")
+    ap.add_argument("--scan", default="true,false", help="learner: model.scan_layers values")
+    ap.add_argument("--devices", type=int, default=8, help="learner: H200s on the fsdp axis")
+    ap.add_argument("--layers", type=int, default=0, help="learner: another depth (0: the config's)")
     ap.add_argument("--local", action="store_true",
                     help="compile for this process's first device instead (on a GPU machine: its own XLA; no plugin)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only programs: nothing to reuse
+    if args.what == "learner":
+        if args.local:
+            ap.error("learner compiles for compile-only H200s (--devices of them); --local is for decode")
+        return _learner_table(args)
     device = jax.devices()[0] if args.local else h200()
     if device.platform != "gpu":
         ap.error(f"--local compiles for this process's device, and it is a {device.platform}, not a GPU")
@@ -256,6 +316,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
                   f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {r['compile_s']:>9}  {top}", flush=True)
     print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), "decode": rows}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _learner_table(args) -> int:
+    print(f"learner update of {args.config} on {args.devices} compile-only H200s (fsdp), XLA of jaxlib "
+          f"{_jaxlib_version()}: seconds to lower and compile (this host's; no autotuning)")
+    print(f"{'precision':>9} {'scan_layers':>11} {'layers':>6} {'lower s':>7} {'compile s':>9}")
+    rows = []
+    for precision in args.precisions.split(","):
+        for scan in args.scan.split(","):
+            if scan not in ("true", "false"):
+                raise SystemExit(f"--scan: {scan!r} is not true or false")
+            r = learner_step(args.config, precision, scan == "true", devices=args.devices, layers=args.layers)
+            rows.append(r)
+            print(f"{precision:>9} {str(r['scan_layers']):>11} {r['layers']:>6} {r['lower_s']:>7} "
+                  f"{r['compile_s']:>9}", flush=True)
+    print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), "learner": rows}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
