@@ -217,3 +217,19 @@ def test_exact_mode_matmuls_have_one_row_count_on_the_h200():
     exact = {m: r["exact"] for m, r in out.items()}
     assert all(len(g) == 1 for g in exact.values()) and len({g[0] for g in exact.values()}) == 1, exact
     assert out["64"]["plain_kernels"] == 2 and out["1000"]["plain_kernels"] == 1, out  # split-K's sum at 64 rows
+
+
+def test_the_learner_compile_tool_compiles_the_configs_learner_scanned_and_unrolled():
+    """gpu_aot learner compiles the run config's learner update for a node of H200s with the layers scanned or
+    unrolled, as asked: 4 unrolled layers make a program about 4 layer bodies long, the scanned one holds one."""
+    out = _run("""
+        import json
+        from triage_jax.tools import gpu_aot
+        rows = [gpu_aot.learner_step("configs/tiny.py", "w4a4", scan, devices=2, layers=4, prompt_len=16,
+                                     resp_len=32) for scan in (True, False)]
+        print(json.dumps(rows))
+    """)
+    scanned, unrolled = out
+    assert (scanned["scan_layers"], unrolled["scan_layers"]) == (True, False)
+    assert scanned["layers"] == unrolled["layers"] == 4 and scanned["devices"] == 2
+    assert unrolled["hlo_instructions"] > 2 * scanned["hlo_instructions"], (scanned, unrolled)
