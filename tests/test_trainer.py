@@ -418,3 +418,10 @@ def test_scanned_learner_trains_with_an_unrolled_sampler_and_resumes(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.scan_layers=False, but .* hold the learner's layers stacked"):
         unrolled.restore()
     assert unrolled.ckpt.all_steps() == [2] and not unrolled.ckpt.unusable()
+    # The tools' loader (eval, probe) reads the layout the same way.
+    from triage_jax import build
+
+    with pytest.raises(ConfigError, match=r"model\.scan_layers=False, but"):
+        build.load_policy(unrolled.cfg)
+    model, _, step = build.load_policy(c)
+    assert step == 2 and model.cfg.scan_layers

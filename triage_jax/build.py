@@ -235,6 +235,23 @@ def checkpointer(c: ml_collections.ConfigDict, *, keep: int | None = None) -> ck
                                  keep=c.train.keep_checkpoints if keep is None else keep)
 
 
+def check_layout(c: ml_collections.ConfigDict, ck, step: int | None = None) -> None:
+    """Checkpoint `step` (default: the newest) holds the learner's layers as model.scan_layers says (stacked or per
+    layer; its metadata says which, per layer before the key existed): else a ConfigError naming the key, before
+    a restore would find every checkpoint's tree different."""
+    from triage_jax.config import ConfigError
+
+    step = ck.latest_step() if step is None else step
+    meta = None if step is None else ck.read_meta(step)
+    if meta is None:
+        return  # no checkpoint, or an unreadable one: the restore reports it
+    saved, now = bool(meta.get("scan_layers", False)), bool(c.model.scan_layers)
+    if saved != now:
+        raise ConfigError(f"config.model.scan_layers={now}, but the checkpoints under {ck.directory} hold the "
+                          f"learner's layers {'stacked' if saved else 'per layer'} (step {step} was saved with "
+                          f"model.scan_layers={saved}): use --config.model.scan_layers={saved}")
+
+
 def load_policy(c: ml_collections.ConfigDict, step: int | None = None) -> tuple[nnx.Module, Any, int | None]:
     """(model, tokenizer, step) of a run's checkpoint (newest or `step`), else of config.model.hf_path."""
     import jax
@@ -245,6 +262,7 @@ def load_policy(c: ml_collections.ConfigDict, step: int | None = None) -> tuple[
     mc = model_config(c, tok.vocab_size)
     ck = checkpointer(c)
     if ck.all_steps():
+        check_layout(c, ck, step)
         abstract_model = nnx.eval_shape(lambda: models.Qwen3(mc, rngs=nnx.Rngs(0)))
         graphdef, params = nnx.split(abstract_model, nnx.Param)
         abstract = run_state(c, params, jax.eval_shape(make_optimizer(optim(c)).init, params))
@@ -254,5 +272,5 @@ def load_policy(c: ml_collections.ConfigDict, step: int | None = None) -> tuple[
                                     f"{ck.directory}")
         return nnx.merge(graphdef, got[1]["params"]), tok, got[0]
     if c.model.hf_path:  # its weights, run as model_config says (dtypes, remat, chunked attention, scan)
-        return models.from_pretrained(c.model.hf_path, **model_cfg.execution()), tok, None
+        return models.from_pretrained(c.model.hf_path, **mc.execution()), tok, None
     raise FileNotFoundError(f"no checkpoint under {ck.directory} and no config.model.hf_path to evaluate")

@@ -405,7 +405,11 @@ class Trainer:
         """Resume from the newest usable checkpoint (unusable ones are moved aside); False when there is none.
         Raises NoUsableCheckpointError when every checkpoint is unusable (rerun with --noresume to start over)."""
         hint = " Pass --noresume (Trainer.run(resume=False)) to start over from step 0."
-        self._check_layout()
+        self.ckpt.recover()
+        try:  # a layout the config does not match fails naming model.scan_layers, before any checkpoint is moved
+            build.check_layout(self.cfg, self.ckpt)
+        except ConfigError as e:
+            raise ConfigError(f"{e}, or start over with --noresume") from None
         try:
             got = self.ckpt.restore(ckpt_lib.abstract_like(self._state()), required_meta=("step", "data"),
                                     owner=True)
@@ -429,22 +433,6 @@ class Trainer:
         self._sync()
         log.info("resumed from step %d", self.step)
         return True
-
-    def _check_layout(self) -> None:
-        """The newest checkpoint holds the learner's layers as model.scan_layers said when it was saved (stacked or
-        per layer; older checkpoints: per layer); resuming with the other value fails here, naming the key,
-        rather than finding every checkpoint unusable."""
-        self.ckpt.recover()
-        step = self.ckpt.latest_step()
-        meta = None if step is None else self.ckpt.read_meta(step)
-        if meta is None:
-            return  # no checkpoint, or an unreadable one: restore() reports it
-        saved, now = bool(meta.get("scan_layers", False)), bool(self.cfg.model.scan_layers)
-        if saved != now:
-            raise ConfigError(f"config.model.scan_layers={now}, but the checkpoints under {self.ckpt.directory} hold "
-                              f"the learner's layers {'stacked' if saved else 'per layer'} (step {step} was saved "
-                              f"with model.scan_layers={saved}): resume with --config.model.scan_layers={saved}, "
-                              f"or start over with --noresume")
 
     # ---------------------------------------------------------------------------------------------- monitor
     def _watch(self, m: dict[str, float]) -> None:
