@@ -44,6 +44,7 @@ def test_dryrun_tiny_moe_on_simulated_expert_mesh():
                   "--prompt_len=8", "--hbm_gb=80,0.0001")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "on 8 simulated cpu devices" in out.stdout
+    assert "scan_layers=False" in out.stdout  # the config's model.scan_layers (tiny_moe: off) without the flag
     rows = _table(out.stdout)
     assert set(rows) == {"learner remat=none attn=xla", "learner remat=full attn=xla",
                          "learner remat=save_dots attn=xla",

@@ -75,8 +75,8 @@ _MICRO = flags.DEFINE_integer("micro_batch", 0, "Responses in the compiled learn
                               "raised to the number of batch shards if smaller).")
 _DECODE = flags.DEFINE_integer("decode_batch", 0, "Decode slots of the rollout programs (0: 8 per batch shard); "
                                 "a second compile at twice that gives the per-slot cost.")
-_SCAN = flags.DEFINE_bool("scan_layers", True, "Compile the layers as one scanned body (fast compile, same memory "
-                          "per layer); --noscan_layers unrolls them.")
+_SCAN = flags.DEFINE_bool("scan_layers", None, "Compile the learner's layers as one scanned body (fast compile, same "
+                          "memory per layer); --noscan_layers unrolls them. Default: the config's model.scan_layers.")
 _ATTN = flags.DEFINE_enum("attention", "xla", ["xla", "chunked"],
                           "Learner attention: the model's (xla: jax.nn.dot_product_attention, scores materialized) "
                           "or models.chunked_attention for sequences >= 4096 (flash-style blocks).")
@@ -328,7 +328,9 @@ def main(argv) -> None:
     t0 = time.perf_counter()
     rows = run(c, mesh_shape, remats=remats, seq_len=_SEQ.value or c.sampler.max_new_tokens,
                prompt_len=_PROMPT.value or c.sampler.max_prompt_len, micro=_MICRO.value,
-               decode_batch=_DECODE.value, scan_layers=_SCAN.value, with_decode=not _SKIP_DECODE.value,
+               decode_batch=_DECODE.value,
+               scan_layers=bool(c.model.scan_layers) if _SCAN.value is None else _SCAN.value,
+               with_decode=not _SKIP_DECODE.value,
                attention=_ATTN.value, q_chunk=_QCHUNK.value, k_chunk=_KCHUNK.value,
                moe_chunk=_MOE_CHUNK.value)
     print(f"\nper-device memory (GB = 1e9 bytes; peak = args + temps + outputs not aliased to donated inputs; "
