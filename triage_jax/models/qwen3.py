@@ -270,6 +270,13 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
     return x_btd, st, ex, (out if cache.stacked else kvc.unstack(out))
 
 
+@functools.lru_cache(maxsize=4)
+def _per_layer_skeleton(cfg: ModelConfig):
+    """(graphdef, abstract state) of the per-layer model: built once per config (~1 s for 36 layers), not at
+    every sync."""
+    return nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+
+
 def unstack_layers(model: Qwen3) -> Qwen3:
     """A scan_layers=True model as the per-layer model (scan_layers=False) with the same weights, each layer's
     variables a slice of the stacked ones; any other model as it is. The learner scans its layers (one layer to
@@ -278,7 +285,8 @@ def unstack_layers(model: Qwen3) -> Qwen3:
     if not model.cfg.scan_layers:
         return model
     cfg = model.cfg.replace(scan_layers=False)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+    graphdef, state = _per_layer_skeleton(cfg)
+    state = jax.tree.map(lambda v: v, state)  # a fresh State to fill (the cached one keeps no weights)
     pure = nnx.to_pure_dict(nnx.state(model))
     stacked = pure.pop("layers")
     pure["layers"] = {i: jax.tree.map(lambda v, i=i: v[i], stacked) for i in range(cfg.num_hidden_layers)}
