@@ -143,13 +143,17 @@ def main(argv=None) -> dict:
     print(f"{'form':>9} {'first call s':>13} {'warm s':>8}")
     for form, r in res.items():
         print(f"{form:>9} {r['first_s']:>13.2f} {r['warm_s']:>8.3f}")
-    out = {"bench": "scan", "layers": args.layers, "processes": args.processes,
-           **{f"{f}_{k}": round(v, 4) for f, r in res.items() for k, v in r.items()},
-           "compile_ratio_scan_vs_unrolled": round(res["scan"]["first_s"] / res["unrolled"]["first_s"], 3),
-           "warm_ratio_scan_vs_unrolled": round(res["scan"]["warm_s"] / res["unrolled"]["warm_s"], 3),
-           "greedy_tokens_equal": same, **load.fields()}
+    out = {"bench": "scan", **_timings(args, res), "greedy_tokens_equal": same, **load.fields()}
     print(json.dumps(out))
     return out
+
+
+def _timings(args, res: dict) -> dict:
+    """The JSON fields of both forms' times and their ratios (scanned over unrolled)."""
+    return {"layers": args.layers, "processes": args.processes,
+            **{f"{f}_{k}": round(v, 4) for f, r in res.items() for k, v in r.items()},
+            "compile_ratio_scan_vs_unrolled": round(res["scan"]["first_s"] / res["unrolled"]["first_s"], 3),
+            "warm_ratio_scan_vs_unrolled": round(res["scan"]["warm_s"] / res["unrolled"]["warm_s"], 3)}
 
 
 def _learner_report(args, runs: dict, load) -> dict:
@@ -161,11 +165,7 @@ def _learner_report(args, runs: dict, load) -> dict:
     for form, r in res.items():
         print(f"{form:>9} {r['first_s']:>15.2f} {r['warm_s']:>14.3f} {losses[form][0]:>10.5f}")
     loss_u, loss_s = losses["unrolled"][0], losses["scan"][0]
-    out = {"bench": "scan_learner", "layers": args.layers, "processes": args.processes,
-           **{f"{f}_{k}": round(v, 4) for f, r in res.items() for k, v in r.items()},
-           "compile_ratio_scan_vs_unrolled": round(res["scan"]["first_s"] / res["unrolled"]["first_s"], 3),
-           "warm_ratio_scan_vs_unrolled": round(res["scan"]["warm_s"] / res["unrolled"]["warm_s"], 3),
-           "loss_unrolled": loss_u, "loss_scan": loss_s,
+    out = {"bench": "scan_learner", **_timings(args, res), "loss_unrolled": loss_u, "loss_scan": loss_s,
            "loss_rel_diff": abs(loss_s - loss_u) / max(abs(loss_u), 1e-30), **load.fields()}
     print(json.dumps(out))
     return out

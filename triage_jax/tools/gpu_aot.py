@@ -316,11 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
                   f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {r['compile_s']:>9}  {top}", flush=True)
-    print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), "decode": rows}))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return _emit("decode", rows, args.json)
 
 
 def _learner_table(args) -> int:
@@ -336,9 +332,14 @@ def _learner_table(args) -> int:
             rows.append(r)
             print(f"{precision:>9} {str(r['scan_layers']):>11} {r['layers']:>6} {r['lower_s']:>7} "
                   f"{r['compile_s']:>9}", flush=True)
-    print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), "learner": rows}))
-    if args.json:
-        with open(args.json, "w") as f:
+    return _emit("learner", rows, args.json)
+
+
+def _emit(what: str, rows: list[dict], path: str | None) -> int:
+    """The table's final JSON line (and the rows to `path`)."""
+    print(json.dumps({"tool": "gpu_aot", "jaxlib": _jaxlib_version(), what: rows}))
+    if path:
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
 
