@@ -163,7 +163,7 @@ def cuda_hazards(fn, *args) -> dict[str, list[str]]:
     """The float divisions, and the float adds / subtracts with an operand a float multiply produced, of fn's
     program exported for CUDA (StableHLO text; every function of the module, branches and callees included).
     A float64 division counts only where an operand is a convert: LLVM turns fptrunc(fpext / fpext) into a
-    float32 division (quant/ieee.py, `_widen`); ieee.div_wide's operands are assembled from bits."""
+    float32 division (quant/ieee.py, `_widen`); ieee.div_wide's operands are float64 products (x * 2^-896)."""
     text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     defs, out = {}, {"divide": [], "multiply_add": []}
     for line in text.splitlines():

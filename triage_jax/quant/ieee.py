@@ -116,21 +116,21 @@ def div_flushed(a: jax.Array, b: jax.Array) -> jax.Array:
     return flush_subnormals(div_rn(flush_subnormals(a), flush_subnormals(b)))
 
 
-def _widen(x: jax.Array) -> jax.Array:
-    """A flushed float32 (no subnormals) as the float64 of the same value, assembled from its bits.
+# 2^-896: scales every float32 into float64's normal range (the smallest normal float32 2^-126 lands on float64's
+# smallest normal 2^-1022) and is no float32, so no compiler can fold it into a float32 operation.
+_WIDE_SCALE = 2.0**-896
 
-    Not `astype(float64)`: LLVM rewrites fptrunc(fpext(a) / fpext(b)) to a float32 division (the same value
-    when that division is IEEE's), which NVPTX then compiles to `div.full.f32`; it cannot see through integer
-    arithmetic. Sign kept, exponent rebiased (127 -> 1023; 0 stays zero, 255 stays Inf / NaN), fraction shifted
-    to the top of float64's 52 bits."""
-    bits = jax.lax.bitcast_convert_type(x, U32)
+
+def _widen(x: jax.Array) -> jax.Array:
+    """A flushed float32 (no subnormals) as a float64 times 2^-896: exact (a float64 has more significand and range
+    than the product needs), Inf / NaN / zero kept.
+
+    Not plain `astype(float64)`: LLVM rewrites fptrunc(fpext(a) / fpext(b)) to a float32 division (the same value
+    when that division is IEEE's), which NVPTX then compiles to `div.full.f32`. It cannot after the scaling: a
+    float64 multiply by a constant that has no float32 form is no fpext. Scaling both operands alike leaves the
+    quotient, and so its rounding, as it was."""
     with jax.enable_x64(True):
-        w = bits.astype(jnp.uint64)
-        ef = (w >> 23) & jnp.uint64(_EXP_MASK)
-        e64 = jnp.where(ef == 0, jnp.uint64(0),
-                        jnp.where(ef == _EXP_MASK, jnp.uint64(0x7FF), ef + jnp.uint64(1023 - 127)))
-        w = ((w & jnp.uint64(0x80000000)) << 32) | (e64 << 52) | ((w & jnp.uint64(_FRAC_MASK)) << 29)
-        return jax.lax.bitcast_convert_type(w, jnp.float64)
+        return x.astype(jnp.float64) * jnp.float64(_WIDE_SCALE)
 
 
 def div_wide(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -140,8 +140,8 @@ def div_wide(a: jax.Array, b: jax.Array) -> jax.Array:
     Rounding twice, to float64's 53 bits and then to float32's 24, gives the correctly rounded float32 quotient:
     double rounding cannot change a quotient of p-bit operands when the wider format has >= 2p + 2 bits
     (53 >= 50; Figueroa, "When is double rounding innocuous?", 1995), subnormal float32 results included. The
-    quotient of two normal float32s cannot be a float64 subnormal, so a backend's FTZ / DAZ for float64 changes
-    nothing. A NaN result is the canonical quiet NaN, as div_rn's."""
+    widened operands are normal float64s or zero, and so is the quotient of two of them, so a backend's FTZ / DAZ
+    for float64 changes nothing. A NaN result is the canonical quiet NaN, as div_rn's."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     wa, wb = _widen(flush_subnormals(a)), _widen(flush_subnormals(b))
     with jax.enable_x64(True):
