@@ -170,11 +170,11 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
 
 
 @needs_plugin
-def test_a_w4a4_decode_step_quantizes_each_activation_in_three_kernels():
+def test_a_w4a4_decode_step_reduces_each_activation_once():
     """A W4A4 sampler's activation quantization on the H200 (2-layer Qwen3, fp4_gemm): with the block amaxes
-    from slices (formats._amaxes_sliced, the GPU's branch) XLA fuses them into the block scales' kernel, so each
-    of the 4 quantized activations per layer takes 3 kernels (global amax, block scales, values) where the W4A16
-    step casts it to bf16 in one, and more with the CPU's reduce (a separate block-amax kernel)."""
+    from slices (formats._amaxes_sliced, the GPU's branch) XLA fuses them into the kernels that follow, so each of
+    the 4 quantized activations per layer takes one reduce kernel (its global amax) and the step launches fewer
+    kernels than with the CPU's reduces (block amaxes, then the global amax from them)."""
     out = _run("""
         import json, jax
         from triage_jax.quant import formats as fmt
@@ -188,8 +188,10 @@ def test_a_w4a4_decode_step_quantizes_each_activation_in_three_kernels():
         jax.clear_caches()  # the jitted quantizer's trace is cached
         print(json.dumps({"w4a16": w4a16, "sliced": sliced, "reduced": step("w4a4:fp4_gemm")}))
     """)
-    layers = out["sliced"]["layers"]
-    assert out["sliced"]["launches"] - out["w4a16"]["launches"] == 2 * 4 * layers, out
+    layers, reduces = out["sliced"]["layers"], lambda r: r["by_name"].get("input_reduce_fusion", 0)
+    assert out["sliced"]["by_name"].get("input_reduce_select_fusion") == 4 * layers, out["sliced"]  # global amaxes
+    assert reduces(out["sliced"]) == reduces(out["w4a16"]), out  # no block-amax reduce
+    assert reduces(out["reduced"]) >= reduces(out["w4a16"]) + 4 * layers, out  # block (and global) amaxes reduced
     assert out["reduced"]["launches"] > out["sliced"]["launches"], out
     assert out["sliced"]["by_kind"].get("kCustomCall") == 4 * layers, out["sliced"]
 

@@ -92,6 +92,38 @@ def test_flush_subnormals_keeps_everything_else():
     assert list(got.view(np.uint32)) == list(_flush(x).view(np.uint32))
 
 
+def test_flush_small_is_flush_subnormals():
+    """ieee.ftz's branch off the CPU (float operations, fusible into XLA:GPU's Triton fusions) flushes exactly as
+    the integer form: subnormals to the zero of their sign, zeros, normals, Inf and NaN kept; here under the CPU's
+    FTZ / DAZ too, which keeps a flushed zero's sign."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([_random_floats(rng, 1 << 16),
+                        rng.integers(1, 2**23, 4096).astype(np.uint32).view(F32) * rng.choice([-1, 1], 4096),
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, np.finfo(F32).tiny,
+                                  -np.finfo(F32).tiny, np.finfo(F32).max], F32)]).astype(F32)
+    got, want = (np.asarray(jax.jit(f)(x)).view(np.uint32) for f in (ieee.flush_small, ieee.flush_subnormals))
+    assert np.array_equal(got, want), (x[got != want][:4], got[got != want][:4], want[got != want][:4])
+
+
+@pytest.mark.parametrize("case", sorted(quant_cases.inputs()))
+def test_the_gpus_ftz_gives_the_cpu_bits(case):
+    """Every quantizer and dequantizer with ieee.ftz and ieee.ftz_int flushing explicitly (flush_small and
+    flush_subnormals, the branches that run where the backend keeps subnormals) gives the CPU's bits, where XLA:CPU
+    flushes by itself."""
+    x = jnp.asarray(quant_cases.inputs()[case])
+    native = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ieee, "ftz", ieee.flush_small)
+        mp.setattr(ieee, "ftz_int", ieee.flush_subnormals)
+        flushed = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
+    jax.clear_caches()
+    bad = [op for op in quant_cases.OPS
+           if not all(np.array_equal(quant_cases.bits(a), quant_cases.bits(b))
+                      for a, b in zip(native[op], flushed[op], strict=True))]
+    assert not bad, f"{case}: flush_small changes the bits of {bad}"
+
+
 def test_div_wide_is_div_flushed_where_rounding_twice_could_bite():
     """Quotients near 1 with full 24-bit significands (where a float64 quotient lands closest to a float32
     rounding midpoint), every exponent pair, and the quantizers' own numerators: div_wide's bits are

@@ -66,8 +66,8 @@ def _check_input(x, block: int, what: str, min_rank: int = 1) -> None:
 
 def _as_input(x: jax.Array) -> jax.Array:
     """A quantizer's input as float32, its float32 subnormals counting as zeros of their sign (XLA:CPU's DAZ;
-    ieee.ftz makes the other backends do the same: docs/numerics.md, "GPU")."""
-    return ieee.ftz(x.astype(F32))
+    ieee.ftz_int makes the other backends do the same: docs/numerics.md, "GPU")."""
+    return ieee.ftz_int(x.astype(F32))
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
