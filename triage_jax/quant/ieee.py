@@ -157,8 +157,9 @@ def div_wide(a: jax.Array, b: jax.Array) -> jax.Array:
     Rounding twice, to float64's 53 bits and then to float32's 24, gives the correctly rounded float32 quotient:
     double rounding cannot change a quotient of p-bit operands when the wider format has >= 2p + 2 bits
     (53 >= 50; Figueroa, "When is double rounding innocuous?", 1995), subnormal float32 results included. The
-    widened operands are normal float64s or zero, and so is the quotient of two of them, so a backend's FTZ / DAZ
-    for float64 changes nothing. A NaN result is the canonical quiet NaN, as div_rn's."""
+    widened operands are normal float64s (or zero, Inf, NaN), and their quotient is the operands' own, a normal
+    float64 where it is finite and not zero, so a backend's FTZ / DAZ for float64 changes nothing. A NaN result is
+    the canonical quiet NaN, as div_rn's."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     wa, wb = _widen(flush_subnormals(a)), _widen(flush_subnormals(b))
     with jax.enable_x64(True):
