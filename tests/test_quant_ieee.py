@@ -92,6 +92,22 @@ def test_flush_subnormals_keeps_everything_else():
     assert list(got.view(np.uint32)) == list(_flush(x).view(np.uint32))
 
 
+def _ops_whose_bits_change(x, **patches) -> list[str]:
+    """The ops of tests/quant_cases.py whose outputs on x change bits when ieee's functions are replaced by
+    `patches` (name -> function), e.g. the branch another platform runs, forced on the CPU."""
+    x = jnp.asarray(x)
+    native = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
+    jax.clear_caches()  # the jitted quantizers' traces are cached
+    with pytest.MonkeyPatch.context() as mp:
+        for name, fn in patches.items():
+            mp.setattr(ieee, name, fn)
+        patched = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
+    jax.clear_caches()
+    return [op for op in quant_cases.OPS
+            if not all(np.array_equal(quant_cases.bits(a), quant_cases.bits(b))
+                       for a, b in zip(native[op], patched[op], strict=True))]
+
+
 def test_flush_small_is_flush_subnormals():
     """ieee.ftz's branch off the CPU (float operations, fusible into XLA:GPU's Triton fusions) flushes exactly as
     the integer form: subnormals to the zero of their sign, zeros, normals, Inf and NaN kept; here under the CPU's
@@ -110,17 +126,7 @@ def test_the_gpus_ftz_gives_the_cpu_bits(case):
     """Every quantizer and dequantizer with ieee.ftz and ieee.ftz_int flushing explicitly (flush_small and
     flush_subnormals, the branches that run where the backend keeps subnormals) gives the CPU's bits, where XLA:CPU
     flushes by itself."""
-    x = jnp.asarray(quant_cases.inputs()[case])
-    native = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
-    jax.clear_caches()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ieee, "ftz", ieee.flush_small)
-        mp.setattr(ieee, "ftz_int", ieee.flush_subnormals)
-        flushed = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
-    jax.clear_caches()
-    bad = [op for op in quant_cases.OPS
-           if not all(np.array_equal(quant_cases.bits(a), quant_cases.bits(b))
-                      for a, b in zip(native[op], flushed[op], strict=True))]
+    bad = _ops_whose_bits_change(quant_cases.inputs()[case], ftz=ieee.flush_small, ftz_int=ieee.flush_subnormals)
     assert not bad, f"{case}: flush_small changes the bits of {bad}"
 
 
@@ -142,16 +148,7 @@ def test_div_wide_is_div_flushed_where_rounding_twice_could_bite():
 @pytest.mark.parametrize("division", ["div_rn", "div_wide"])
 @pytest.mark.parametrize("case", sorted(quant_cases.inputs()))
 def test_portable_division_gives_the_cpu_bits(case, division):
-    x = jnp.asarray(quant_cases.inputs()[case])
-    native = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
-    jax.clear_caches()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ieee, "div", getattr(ieee, division))
-        portable = {op: quant_cases.run(op, x) for op in quant_cases.OPS}
-    jax.clear_caches()
-    bad = [op for op in quant_cases.OPS
-           if not all(np.array_equal(quant_cases.bits(a), quant_cases.bits(b))
-                      for a, b in zip(native[op], portable[op], strict=True))]
+    bad = _ops_whose_bits_change(quant_cases.inputs()[case], div=getattr(ieee, division))
     assert not bad, f"{case}: {division} changes the bits of {bad}"
 
 
