@@ -51,6 +51,32 @@ def test_schedule_never_changes_a_request(model):
             np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"{kw} {k}")
 
 
+def test_the_gpus_attention_form_never_changes_a_request_either(model, monkeypatch):
+    """The engine with the attention a GPU runs (kv_cache.attention_rows, forced on the CPU): continuous batching
+    and static waves give every request the bits of one static batch, as with the CPU's blocks form; its tokens are
+    the blocks form's wherever the two forms' log-probs are within float rounding of each other."""
+    from triage_jax.models import kv_cache as kvc
+
+    _, blocks = run(model, slots=15, continuous=False)
+    calls = []
+
+    def rows(*a, **kw):
+        calls.append(1)
+        return kvc.attention_rows(*a, **kw)
+
+    monkeypatch.setattr(kvc, "attention_blocks", rows)
+    jax.clear_caches()  # programs traced with the blocks form
+    _, ref = run(model, slots=15, continuous=False)
+    assert calls, "the engine did not trace the patched attention"
+    for kw in (dict(slots=4), dict(slots=3, steps=7, continuous=False)):
+        _, out = run(model, **kw)
+        for k, v in as_np(out).items():
+            np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"{kw} {k}")
+    np.testing.assert_array_equal(as_np(ref)["tokens"], as_np(blocks)["tokens"])
+    np.testing.assert_allclose(as_np(ref)["logprobs"], as_np(blocks)["logprobs"], rtol=0, atol=1e-4)
+    jax.clear_caches()
+
+
 def test_tail_compaction_shrinks_the_slots_and_changes_no_request(model):
     """Once the queue is empty and at most half the slots decode (compact_tail=2), the long responses left move
     into a smaller slot set (16 -> 8 here, never below 4 per device) instead of decoding in all 16. Every

@@ -170,6 +170,29 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
 
 
 @needs_plugin
+def test_the_gpus_cached_attention_is_three_kernels():
+    """The decode step's attention on the H200 (kv_cache.cached_attention at the 4B's heads: GQA 32 / 8, head dim
+    128, batch 64, capacity 512) lowers to its GPU form, one softmax per row: the score GEMM, one softmax fusion and
+    the value GEMM, against 6 kernels for the CPU's 64-slot blocks (a softmax over two axes: separate reductions)."""
+    out = _run("""
+        import functools, json, re
+        import jax.numpy as jnp
+        from triage_jax.models import kv_cache as kvc
+        from triage_jax.tools import gpu_aot
+        dev = gpu_aot.h200()
+        args = (jnp.zeros((64, 1, 32, 128), jnp.bfloat16), jnp.zeros((64, 8, 512, 128), jnp.bfloat16),
+                jnp.zeros((64, 8, 512, 128), jnp.bfloat16), jnp.zeros((64, 1), jnp.int32))
+        def kernels(f):
+            thunks = gpu_aot.compile_fn(functools.partial(f, scale=128**-0.5), *args, device=dev).thunks
+            return [m.group(1) for m in re.finditer(r"kCustomKernel\s+\[[^]]*\]\s*(\S+)", thunks)]
+        print(json.dumps({"default": kernels(kvc.cached_attention), "blocks": kernels(kvc.attention_blocks)}))
+    """)
+    assert len(out["default"]) == 3, out
+    assert sum(k.startswith("gemm_fusion") for k in out["default"]) == 2, out
+    assert len(out["blocks"]) > 3, out
+
+
+@needs_plugin
 def test_a_w4a4_decode_step_reduces_each_activation_once():
     """A W4A4 sampler's activation quantization on the H200 (2-layer Qwen3, fp4_gemm): with the block amaxes
     from slices (formats._amaxes_sliced, the GPU's branch) XLA fuses them into the kernels that follow, so each of

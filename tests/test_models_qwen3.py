@@ -246,3 +246,35 @@ def test_cache_scatters_move_bits_exactly_and_stay_in_place(dtype):
     if dtype == jnp.bfloat16:
         hlo = jax.jit(lambda b, n: scatter_set(b, (rows_b1, slice(None), slot_bt), n)).lower(buf, new).compile()
         assert "f32[4,2,64,8]" not in hlo.as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_both_cached_attention_forms_are_masked_softmax_attention(dtype):
+    """kv_cache.cached_attention's two forms (64-slot blocks on the CPU, one softmax per row elsewhere: the GPU's)
+    against jax.nn.dot_product_attention with the causal-slot mask, GQA, one and several new tokens; a float32
+    cache agrees to float32 rounding, a bf16 one to the rounding of its probabilities. Each row's result is its
+    own: another row's cache, slot or queries never move a bit of it (the engine's "schedule never changes a
+    request" rests on that, for a given slot count), and on the CPU the dispatcher is the blocks form, bit for bit."""
+    from triage_jax.models import kv_cache as kvc
+
+    rng = np.random.default_rng(0)
+    tol = 2e-6 if dtype == jnp.float32 else 2e-2
+    for b, t, n, kvh, h, s in [(5, 1, 8, 2, 16, 128), (3, 7, 4, 4, 32, 64), (4, 1, 16, 8, 64, 256)]:
+        q = jnp.asarray(rng.normal(size=(b, t, n, h)), dtype)
+        k, v = (jnp.asarray(rng.normal(size=(b, kvh, s, h)), dtype) for _ in range(2))
+        slot = jnp.asarray(rng.integers(0, s - t, size=(b, 1)) + np.arange(t)[None], jnp.int32)
+        mask = (jnp.arange(s)[None, None, :] <= slot[:, :, None])[:, None]
+        f32 = lambda x: x.astype(jnp.float32)
+        want = np.asarray(jax.nn.dot_product_attention(f32(q), f32(k).transpose(0, 2, 1, 3),
+                                                       f32(v).transpose(0, 2, 1, 3), mask=mask, scale=h**-0.5))
+        forms = {name: jax.jit(functools.partial(f, scale=h**-0.5)) for name, f in
+                 (("blocks", kvc.attention_blocks), ("rows", kvc.attention_rows), ("cpu", kvc.cached_attention))}
+        got = {name: f(q, k, v, slot) for name, f in forms.items()}
+        np.testing.assert_array_equal(np.asarray(f32(got["cpu"])), np.asarray(f32(got["blocks"])))
+        for name in ("blocks", "rows"):
+            np.testing.assert_allclose(np.asarray(f32(got[name])), want, atol=tol, err_msg=f"{name} {(b, t, s)}")
+            # The other rows' caches, queries and slots replaced (the same shapes: a batch of another size can sum
+            # in another order on the CPU): row 0 is unchanged.
+            others = forms[name](q.at[1:].set(-q[1:]), k.at[1:].set(v[1:]), v.at[1:].set(k[1:]),
+                                 slot.at[1:].set(slot[1:] // 2))
+            np.testing.assert_array_equal(np.asarray(f32(others[0])), np.asarray(f32(got[name][0])), err_msg=name)

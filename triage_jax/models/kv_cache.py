@@ -1,7 +1,8 @@
 """KV cache for decoding: per layer [B, KVH, S, Dh] keys and values, rows filled from slot 0, and per-row lengths.
 
-Layout: heads come before slots, the layout the attention contractions read directly (a free reshape into 64-slot
-blocks, 'bkqh,bknch->bknqc' and 'bknqc,bkncd->bknqd'): no per-step transpose of the cache. The layers' buffers are
+Layout: heads come before slots, the layout the attention contractions read directly (on the CPU a free reshape
+into 64-slot blocks, 'bkqh,bknch->bknqc' and 'bknqc,bkncd->bknqd'; elsewhere 'bkqh,bksh->bkqs'): no per-step
+transpose of the cache. The layers' buffers are
 either a tuple of L arrays (unrolled models: each layer updates its own buffer in place, and reads it without a
 copy) or one stacked [L, B, KVH, S, Dh] array (`stacked=True`, the default for scan_layers models: the scan
 carries it, writes each layer's new tokens into it in place and reads layer i as a dynamic slice; a tuple would
@@ -19,6 +20,8 @@ for later tokens; every later write reuses it and clips to +-448 before the cast
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -209,23 +212,47 @@ def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
     """Causal attention of T new queries (at slots q_slot_bt) over the cache rows: out [B, T, N, Dh].
 
     A query sees the slots <= its own (rows are filled from slot 0, so that is exactly its real context). GQA by
-    grouping the N query heads per KV head, float32 scores and softmax. The sums over slots run per 64-slot block,
-    then over blocks, which keeps the result's bits independent of the capacity S in the cases measured (T = 1,
-    batch 8, S >= 128) but not in all: XLA's CPU reductions choose their order by shape, so across capacity
-    buckets a log-prob can differ in its last bit (tokens do not, in every test here).
+    grouping the N query heads per KV head, float32 scores and softmax, the cache read in its own dtype with float32
+    accumulation (no per-step float32 copy of the cache). Two forms of one computation, picked by the platform the
+    program is lowered for: `attention_blocks` on the CPU, `attention_rows` elsewhere (a GPU runs it in 3 kernels
+    instead of 6). They agree to float rounding; each row's result depends on that row alone in both, so a
+    request's bits never depend on its slot or the other requests."""
+    if k_bksh.shape[2] % BLOCK:
+        raise ValueError(f"cached_attention: cache capacity {k_bksh.shape[2]} is not a multiple of {BLOCK}")
+    return jax.lax.platform_dependent(q_btnh, k_bksh, v_bksh, q_slot_bt,
+                                      cpu=functools.partial(attention_blocks, scale=scale),
+                                      default=functools.partial(attention_rows, scale=scale))
+
+
+def _queries_per_kv_head(q_btnh: jax.Array, kvh: int, dtype) -> jax.Array:
+    """[B, KVH, G * T, Dh]: the G * T queries of each KV head as one matrix dimension (query g * T + t)."""
+    b, t, n, h = q_btnh.shape
+    return q_btnh.reshape(b, t, kvh, n // kvh, h).transpose(0, 2, 3, 1, 4).reshape(b, kvh, n // kvh * t, h).astype(dtype)
+
+
+def _heads_back(out_bkqh: jax.Array, t: int, dtype) -> jax.Array:
+    """The inverse of _queries_per_kv_head: [B, KVH, G * T, Dh] -> [B, T, N, Dh]."""
+    b, kvh, gt, h = out_bkqh.shape
+    return out_bkqh.reshape(b, kvh, gt // t, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, kvh * gt // t, h).astype(dtype)
+
+
+def attention_blocks(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_slot_bt: jax.Array,
+                     scale: float) -> jax.Array:
+    """cached_attention on the CPU: the sums over slots run per 64-slot block, then over blocks, which keeps the
+    result's bits independent of the capacity S in the cases measured (T = 1, batch 8, S >= 128) but not in all:
+    XLA's CPU reductions choose their order by shape, so across capacity buckets a log-prob can differ in its last
+    bit (tokens do not, in every test here).
 
     Layout: the G * T queries of a KV head are one matrix dimension and the 64-slot blocks a batch dimension of
     both contractions ('bkqh,bknch->bknqc', 'bknqc,bkncd->bknqd'), so each is a plain batched matmul over
     (row, KV head, block): no transpose of the probabilities, 3-5x faster on CPU than blocks as a free dimension.
+    The probabilities enter the value product unnormalized, in the cache's dtype (float32 caches: exact), and the
+    sum is divided out after it.
     """
     b, t, n, h = q_btnh.shape
     kvh, s = k_bksh.shape[1], k_bksh.shape[2]
-    if s % BLOCK:
-        raise ValueError(f"cached_attention: cache capacity {s} is not a multiple of {BLOCK}")
     g, nb = n // kvh, s // BLOCK
-    # The cache is read in its own dtype with float32 accumulation: no per-step float32 copy of the whole cache.
-    # Query q = g_index * T + t_index of its KV head.
-    q_bkqh = q_btnh.reshape(b, t, kvh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, h).astype(k_bksh.dtype)
+    q_bkqh = _queries_per_kv_head(q_btnh, kvh, k_bksh.dtype)
     scores = jnp.einsum("bkqh,bknch->bknqc", q_bkqh, k_bksh.reshape(b, kvh, nb, BLOCK, h),
                         preferred_element_type=F32) * scale
     slot_1n1c = jnp.arange(s, dtype=jnp.int32).reshape(1, nb, 1, BLOCK)
@@ -233,13 +260,28 @@ def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
     scores = jnp.where(visible_bnqc[:, None], scores, -jnp.inf)
     m = jnp.max(scores, axis=(2, 4), keepdims=True)
     p = jnp.exp(scores - m)
-    # Probabilities in the cache's dtype for the value product (float32 caches: exact), float32 accumulation.
     pv = jnp.einsum("bknqc,bkncd->bknqd", p.astype(v_bksh.dtype), v_bksh.reshape(b, kvh, nb, BLOCK, h),
                     preferred_element_type=F32)
     num = jnp.sum(pv, axis=2)  # over blocks (a non-minor axis: one sequential sum per output)
     den = jnp.sum(jnp.sum(p, axis=-1)[..., None], axis=2)
-    out_bkqh = num / den
-    return out_bkqh.reshape(b, kvh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
+    return _heads_back(num / den, t, q_btnh.dtype)
+
+
+def attention_rows(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_slot_bt: jax.Array,
+                   scale: float) -> jax.Array:
+    """cached_attention off the CPU: one softmax over the minor slot axis, the probabilities normalized and then
+    cast to the cache's dtype for the value product, as jax.nn.dot_product_attention's XLA path (the learner's)
+    and HF's eager attention have it. XLA:GPU makes it 3 kernels (the score GEMM, one Triton softmax fusion, the
+    value GEMM with the output's transpose), against 6 for the 64-slot blocks (`attention_blocks`), whose softmax
+    over two axes it leaves as separate reductions (`python -m triage_jax.tools.gpu_aot decode`)."""
+    t, s = q_btnh.shape[1], k_bksh.shape[2]
+    g = q_btnh.shape[2] // k_bksh.shape[1]
+    q_bkqh = _queries_per_kv_head(q_btnh, k_bksh.shape[1], k_bksh.dtype)
+    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=F32) * scale
+    visible_bqs = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= jnp.tile(q_slot_bt, (1, g))[:, :, None]
+    p_bkqs = jax.nn.softmax(jnp.where(visible_bqs[:, None], scores_bkqs, -jnp.inf), axis=-1)
+    out_bkqh = jnp.einsum("bkqs,bksd->bkqd", p_bkqs.astype(v_bksh.dtype), v_bksh, preferred_element_type=F32)
+    return _heads_back(out_bkqh, t, q_btnh.dtype)
 
 
 def copy_rows(buf_sksh: jax.Array, src_bksh: jax.Array, slot_m: jax.Array, row_m: jax.Array) -> jax.Array:
