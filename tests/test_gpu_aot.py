@@ -174,7 +174,7 @@ def test_the_gpus_cached_attention_is_three_kernels():
     """The decode step's attention on the H200 (kv_cache.cached_attention at the 4B's heads: GQA 32 / 8, head dim
     128, batch 64, capacity 512) lowers to its GPU form, one softmax per row: the score GEMM, one softmax fusion and
     the value GEMM, against 6 kernels for the CPU's 64-slot blocks (a softmax over two axes: separate reductions)."""
-    out = _run("""
+    out = _run(r"""
         import functools, json, re
         import jax.numpy as jnp
         from triage_jax.models import kv_cache as kvc
