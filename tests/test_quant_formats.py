@@ -88,6 +88,15 @@ def test_e2m1_rne_matches_cast_on_ties_and_grid():
     np.testing.assert_array_equal(np.asarray(fmt.e2m1_rne_codes(y)), _cast_codes(y))
 
 
+def test_e2m1_decode_is_the_float4_cast_bit_for_bit():
+    """Every byte's low nibble decodes to ml_dtypes' float4_e2m1fn value as float32, sign of zero included (code 8
+    is -0); the high nibble is ignored."""
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    want = np.asarray(jax.lax.bitcast_convert_type((codes & 0xF).astype(jnp.uint4), jnp.float4_e2m1fn).astype(F32))
+    got = np.asarray(fmt.e2m1_decode(codes))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @SETTINGS
 @given(hnp.arrays(np.float32, 64, elements=st.floats(-8, 8, width=32)))
 def test_e2m1_rne_matches_cast(y):
