@@ -447,9 +447,14 @@ class MXFP4Tensor(PackedFP4):
         return _pow2_biased(self.exponents)
 
     def block_values(self) -> jax.Array:
-        """e2m1(q) * 2^(e - 127) in float32 [..., K]: the exact values (exactly representable in bfloat16)."""
-        e = ieee.ftz(_blocks(e2m1_decode(self.codes), MXFP4_BLOCK) * ieee.ftz(self.decoded_scale())[..., None])
-        return e.reshape(self.shape)
+        """e2m1(q) * 2^(e - 127) in float32 [..., K]: the exact values (exactly representable in bfloat16). Each
+        nibble plane of the packed bytes is decoded and scaled, and the values interleaved (as NVFP4Tensor's): no
+        uint8 array of unpacked codes between (on XLA:GPU a kernel of its own per weight and step)."""
+        *lead, half = self.packed.shape
+        p = self.packed.reshape(*lead, half * 2 // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+        s = ieee.ftz(self.decoded_scale())[..., None]
+        lo, hi = ieee.ftz(e2m1_decode(p & 0xF) * s), ieee.ftz(e2m1_decode(p >> 4) * s)  # [..., nb, 16]
+        return jnp.stack([lo, hi], axis=-1).reshape(*lead, half * 2)
 
     def block_values_t(self) -> jax.Array:
         """block_values() transposed, [..., K, N] (the GEMM's K-major weight operand)."""
