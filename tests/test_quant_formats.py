@@ -398,6 +398,16 @@ def test_bad_inputs_name_the_shape():
 # --- the fast paths are bit-identical to the plain formulations ----------------------------------------------
 
 
+def test_both_e4m3_scale_decodes_give_the_same_bits():
+    """e4m3_scale_values' two branches (the CPU's integer decode, the float8 convert elsewhere) on every
+    non-negative finite E4M3 code, subnormals included, against ml_dtypes' value."""
+    codes = jnp.arange(0x7F, dtype=jnp.uint8)
+    scale = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    want = np.asarray(scale.astype(F32)).view(np.uint32)
+    assert np.array_equal(np.asarray(fmt.e4m3_decode_nonneg(codes)).view(np.uint32), want)  # the CPU's branch
+    assert np.array_equal(np.asarray(fmt.e4m3_scale_values(scale)).view(np.uint32), want)
+
+
 @SETTINGS
 @given(hnp.arrays(np.float32, 64, elements=st.floats(0, 448, width=32)))
 def test_e4m3_integer_rounding_matches_cast(v):

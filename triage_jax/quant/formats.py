@@ -191,6 +191,16 @@ def e4m3_decode_nonneg(code: jax.Array) -> jax.Array:
     return jnp.where(e == 0, m.astype(F32) * jnp.float32(2.0**-9), normal)
 
 
+def e4m3_scale_values(scale: jax.Array) -> jax.Array:
+    """Float32 values of non-negative E4M3 block scales (float8_e4m3fn): on the CPU decoded in integer arithmetic
+    (e4m3_decode_nonneg, which vectorizes there), elsewhere by the float8 convert (exact, the same bits). XLA:GPU
+    fuses the convert into the kernel that decodes a weight's values; the integer decode stayed a kernel of its own
+    per weight and step (4B decode step: 5 kernels per layer)."""
+    return jax.lax.platform_dependent(
+        scale, cpu=lambda s: e4m3_decode_nonneg(jax.lax.bitcast_convert_type(s, jnp.uint8)),
+        default=lambda s: s.astype(F32))
+
+
 def _bcast_factor(g: jax.Array, ndim: int) -> jax.Array:
     """Right-pad g's shape with ones to rank ndim (scalar, per-row [..., 1] or batched per-tensor [E])."""
     return g.reshape(g.shape + (1,) * (ndim - g.ndim))
@@ -244,8 +254,8 @@ class NVFP4Tensor(PackedFP4):
         return nvfp4_decode_factor(self.amax)
 
     def decoded_scale(self) -> jax.Array:
-        """The E4M3 block scales as float32 [..., K/16] (decoded with integer ops: see e4m3_round_nonneg)."""
-        return e4m3_decode_nonneg(jax.lax.bitcast_convert_type(self.scale, jnp.uint8))
+        """The E4M3 block scales as float32 [..., K/16] (e4m3_scale_values)."""
+        return e4m3_scale_values(self.scale)
 
     def block_values(self, order: str = "natural") -> jax.Array:
         """e2m1(q) * float(s) in float32 [..., K]: exact, and exactly representable in bfloat16.
@@ -321,8 +331,8 @@ class NVFP4Int8Tensor:
         return self.codes.shape
 
     def decoded_scale(self) -> jax.Array:
-        """The E4M3 block scales as float32 [..., K/16] (see NVFP4Tensor.decoded_scale)."""
-        return e4m3_decode_nonneg(jax.lax.bitcast_convert_type(self.scale, jnp.uint8))
+        """The E4M3 block scales as float32 [..., K/16] (e4m3_scale_values)."""
+        return e4m3_scale_values(self.scale)
 
     def global_decode_scale(self) -> jax.Array:
         """amax * f32(1/2688) (1 where amax == 0): the GEMM's output factor, as NVFP4Tensor's."""
