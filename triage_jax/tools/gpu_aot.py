@@ -199,6 +199,26 @@ def loop_body_thunks(thunks: str) -> dict:
             "nested_loops": kinds["kWhile"], "by_kind": dict(kinds.most_common()), "by_name": dict(names.most_common())}
 
 
+_FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(?[a-z][a-z0-9]*\[[^=]*?) fusion\(", re.M)
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def fusion_outputs(hlo: str) -> dict[str, int]:
+    """Bytes each fusion of an optimized HLO module writes (its output shapes; a tuple's parts summed), by name:
+    what a program's kernels put in memory for the next one to read back."""
+    out = {}
+    for name, shape in _FUSION.findall(hlo):
+        total = 0
+        for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * _BYTES.get(dtype, 4)
+        out[name] = total
+    return out
+
+
 def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
                 device=None, overrides: dict | None = None) -> dict:
     """The kernels one decode step of the engine launches on `device` (default: a compile-only H200), for the
