@@ -227,13 +227,15 @@ def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
 def _queries_per_kv_head(q_btnh: jax.Array, kvh: int, dtype) -> jax.Array:
     """[B, KVH, G * T, Dh]: the G * T queries of each KV head as one matrix dimension (query g * T + t)."""
     b, t, n, h = q_btnh.shape
-    return q_btnh.reshape(b, t, kvh, n // kvh, h).transpose(0, 2, 3, 1, 4).reshape(b, kvh, n // kvh * t, h).astype(dtype)
+    q_bkgth = q_btnh.reshape(b, t, kvh, n // kvh, h).transpose(0, 2, 3, 1, 4)
+    return q_bkgth.reshape(b, kvh, n // kvh * t, h).astype(dtype)
 
 
 def _heads_back(out_bkqh: jax.Array, t: int, dtype) -> jax.Array:
     """The inverse of _queries_per_kv_head: [B, KVH, G * T, Dh] -> [B, T, N, Dh]."""
     b, kvh, gt, h = out_bkqh.shape
-    return out_bkqh.reshape(b, kvh, gt // t, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, kvh * gt // t, h).astype(dtype)
+    out_btkgh = out_bkqh.reshape(b, kvh, gt // t, t, h).transpose(0, 3, 1, 2, 4)
+    return out_btkgh.reshape(b, t, kvh * gt // t, h).astype(dtype)
 
 
 def attention_blocks(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_slot_bt: jax.Array,
