@@ -89,8 +89,10 @@ class KVCache:
             k, v = self.k[:i] + (kb,) + self.k[i + 1:], self.v[:i] + (vb,) + self.v[i + 1:]
         out = self.replace(k=k, v=v)
         if self.is_fp8:  # only FP8 sets a scale (at the first write); storing the others' 1.0 again would cost the
-            # decode step two small kernels a layer
-            out = out.replace(k_scale=self.k_scale.at[i].set(ks), v_scale=self.v_scale.at[i].set(vs))
+            # decode step two small kernels a layer. A select, not .at[i].set: XLA:GPU runs an update of a slice in
+            # place as a dynamic-slice copy outside the step's CUDA graph (two graph breaks a layer).
+            at_i = jnp.arange(self.k_scale.shape[0]) == i
+            out = out.replace(k_scale=jnp.where(at_i, ks, self.k_scale), v_scale=jnp.where(at_i, vs, self.v_scale))
         return out
 
 
