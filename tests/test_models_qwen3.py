@@ -248,6 +248,30 @@ def test_cache_scatters_move_bits_exactly_and_stay_in_place(dtype):
         assert "f32[4,2,64,8]" not in hlo.as_text()
 
 
+
+def test_an_fp8_cache_gives_both_attention_forms_its_dequantized_values():
+    """An FP8 cache with its per-tensor scales: on the CPU cached_attention is the blocks form over the cache as
+    kv_cache.read dequantizes it, bit for bit; the GPU's form (attention_rows, which multiplies the scales into the
+    scores and the output instead of dequantizing the cache) agrees with it to bf16 rounding. A scale applied
+    twice, to the wrong side or not at all is off by far more (the scales here are 3.5 and 0.125)."""
+    from triage_jax.models import kv_cache as kvc
+
+    rng = np.random.default_rng(1)
+    b, t, n, kvh, h, s = 4, 1, 8, 2, 64, 128
+    q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.bfloat16)
+    ks, vs = jnp.float32(3.5), jnp.float32(0.125)
+    k8, v8 = (kvc.quantize_fp8_kv(jnp.asarray(rng.normal(size=(b, kvh, s, h)) * 4, jnp.float32), sc)
+              for sc in (ks, vs))
+    slot = jnp.asarray(rng.integers(0, s, size=(b, 1)), jnp.int32)
+    attend = jax.jit(lambda *a: kvc.cached_attention(*a[:4], h**-0.5, *a[4:]))
+    blocks = jax.jit(lambda q, kb, vb, sl, ks, vs: kvc.attention_blocks(
+        q, kvc.read(kb, ks, q.dtype), kvc.read(vb, vs, q.dtype), sl, scale=h**-0.5))
+    rows = jax.jit(lambda *a: kvc.attention_rows(*a, scale=h**-0.5))
+    want = np.asarray(blocks(q, k8, v8, slot, ks, vs).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(attend(q, k8, v8, slot, ks, vs).astype(jnp.float32)), want)
+    got = np.asarray(rows(q, k8, v8, slot, ks, vs).astype(jnp.float32))
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_both_cached_attention_forms_are_masked_softmax_attention(dtype):
     """kv_cache.cached_attention's two forms (64-slot blocks on the CPU, one softmax per row elsewhere: the GPU's)

@@ -209,21 +209,25 @@ def resize(cache: KVCache, max_len: int) -> KVCache:
     return map_layers(fit, cache)
 
 
-def cached_attention(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_slot_bt: jax.Array,
-                     scale: float) -> jax.Array:
-    """Causal attention of T new queries (at slots q_slot_bt) over the cache rows: out [B, T, N, Dh].
+def cached_attention(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot_bt: jax.Array,
+                     scale: float, k_scale: jax.Array | float = 1.0, v_scale: jax.Array | float = 1.0) -> jax.Array:
+    """Causal attention of T new queries (at slots q_slot_bt) over one layer's cache buffers [B, KVH, S, Dh] (FP8
+    with their per-tensor scales, or the compute dtype): out [B, T, N, Dh].
 
     A query sees the slots <= its own (rows are filled from slot 0, so that is exactly its real context). GQA by
-    grouping the N query heads per KV head, float32 scores and softmax, the cache read in its own dtype with float32
-    accumulation (no per-step float32 copy of the cache). Two forms of one computation, picked by the platform the
-    program is lowered for: `attention_blocks` on the CPU, `attention_rows` elsewhere (a GPU runs it in 3 kernels
-    instead of 6). They agree to float rounding; each row's result depends on that row alone in both, so a
-    request's bits never depend on its slot or the other requests."""
-    if k_bksh.shape[2] % BLOCK:
-        raise ValueError(f"cached_attention: cache capacity {k_bksh.shape[2]} is not a multiple of {BLOCK}")
-    return jax.lax.platform_dependent(q_btnh, k_bksh, v_bksh, q_slot_bt,
-                                      cpu=functools.partial(attention_blocks, scale=scale),
-                                      default=functools.partial(attention_rows, scale=scale))
+    grouping the N query heads per KV head, float32 scores and softmax, the cache read in the compute dtype with
+    float32 accumulation (no per-step float32 copy of the cache). Two forms of one computation, picked by the
+    platform the program is lowered for: `attention_blocks` on the CPU (on the cache as `read` dequantizes it),
+    `attention_rows` elsewhere (a GPU runs it in 3 kernels instead of 6). They agree to float rounding; each row's
+    result depends on that row alone in both, so a request's bits never depend on its slot or the other requests."""
+    if k_buf.shape[2] % BLOCK:
+        raise ValueError(f"cached_attention: cache capacity {k_buf.shape[2]} is not a multiple of {BLOCK}")
+
+    def blocks(q, kb, vb, slot, ks, vs):
+        return attention_blocks(q, read(kb, ks, q.dtype), read(vb, vs, q.dtype), slot, scale=scale)
+
+    return jax.lax.platform_dependent(q_btnh, k_buf, v_buf, q_slot_bt, jnp.float32(k_scale), jnp.float32(v_scale),
+                                      cpu=blocks, default=functools.partial(attention_rows, scale=scale))
 
 
 def _queries_per_kv_head(q_btnh: jax.Array, kvh: int, dtype) -> jax.Array:
@@ -271,20 +275,29 @@ def attention_blocks(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_
     return _heads_back(num / den, t, q_btnh.dtype)
 
 
-def attention_rows(q_btnh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_slot_bt: jax.Array,
-                   scale: float) -> jax.Array:
+def attention_rows(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot_bt: jax.Array,
+                   k_scale: jax.Array | float = 1.0, v_scale: jax.Array | float = 1.0, *, scale: float) -> jax.Array:
     """cached_attention off the CPU: one softmax over the minor slot axis, the probabilities normalized and then
-    cast to the cache's dtype for the value product, as jax.nn.dot_product_attention's XLA path (the learner's)
+    cast to the compute dtype for the value product, as jax.nn.dot_product_attention's XLA path (the learner's)
     and HF's eager attention have it. XLA:GPU makes it 3 kernels (the score GEMM, one Triton softmax fusion, the
     value GEMM with the output's transpose), against 6 for the 64-slot blocks (`attention_blocks`), whose softmax
-    over two axes it leaves as separate reductions (`python -m triage_jax.tools.gpu_aot decode`)."""
-    t, s = q_btnh.shape[1], k_bksh.shape[2]
-    g = q_btnh.shape[2] // k_bksh.shape[1]
-    q_bkqh = _queries_per_kv_head(q_btnh, k_bksh.shape[1], k_bksh.dtype)
-    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=F32) * scale
+    over two axes it leaves as separate reductions (`python -m triage_jax.tools.gpu_aot decode`).
+
+    An FP8 cache enters the GEMMs as its E4M3 values (exact in bf16) and its scales multiply the scores and the
+    output: XLA:GPU fuses a bare convert into a GEMM's operand but not a convert times a scale, which made a bf16
+    copy of both caches of a layer every step (2.5x the bytes a bf16 cache reads)."""
+    t, s = q_btnh.shape[1], k_buf.shape[2]
+    g = q_btnh.shape[2] // k_buf.shape[1]
+    fp8 = k_buf.dtype == FP8
+    k_bksh, v_bksh = k_buf.astype(q_btnh.dtype), v_buf.astype(q_btnh.dtype)
+    q_bkqh = _queries_per_kv_head(q_btnh, k_buf.shape[1], q_btnh.dtype)
+    score_scale = jnp.float32(scale) * jnp.float32(k_scale) if fp8 else scale
+    scores_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=F32) * score_scale
     visible_bqs = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= jnp.tile(q_slot_bt, (1, g))[:, :, None]
     p_bkqs = jax.nn.softmax(jnp.where(visible_bqs[:, None], scores_bkqs, -jnp.inf), axis=-1)
     out_bkqh = jnp.einsum("bkqs,bksd->bkqd", p_bkqs.astype(v_bksh.dtype), v_bksh, preferred_element_type=F32)
+    if fp8:
+        out_bkqh = out_bkqh * jnp.float32(v_scale)
     return _heads_back(out_bkqh, t, q_btnh.dtype)
 
 

@@ -206,7 +206,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 
 
 def fusion_outputs(hlo: str) -> dict[str, int]:
     """Bytes each fusion of an optimized HLO module writes (its output shapes; a tuple's parts summed), by name:
-    what a program's kernels put in memory for the next one to read back."""
+    what a program's kernels put in memory for the next one to read back. An in-place update (a scatter into the
+    KV cache) counts its whole buffer, though it writes only the updated slots."""
     out = {}
     for name, shape in _FUSION.findall(hlo):
         total = 0
