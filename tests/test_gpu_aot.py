@@ -173,7 +173,8 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
 def test_the_gpus_cached_attention_is_three_kernels():
     """The decode step's attention on the H200 (kv_cache.cached_attention at the 4B's heads: GQA 32 / 8, head dim
     128, batch 64, capacity 512) lowers to its GPU form, one softmax per row: the score GEMM, one softmax fusion and
-    the value GEMM, against 6 kernels for the CPU's 64-slot blocks (a softmax over two axes: separate reductions)."""
+    the value GEMM, against 6 kernels for the CPU's 64-slot blocks (a softmax over two axes: separate reductions).
+    An FP8 cache takes the same 3: its values convert inside the GEMMs (no bf16 copy of the cache per step)."""
     out = _run(r"""
         import functools, json, re
         import jax.numpy as jnp
@@ -182,13 +183,18 @@ def test_the_gpus_cached_attention_is_three_kernels():
         dev = gpu_aot.h200()
         args = (jnp.zeros((64, 1, 32, 128), jnp.bfloat16), jnp.zeros((64, 8, 512, 128), jnp.bfloat16),
                 jnp.zeros((64, 8, 512, 128), jnp.bfloat16), jnp.zeros((64, 1), jnp.int32))
-        def kernels(f):
-            thunks = gpu_aot.compile_fn(functools.partial(f, scale=128**-0.5), *args, device=dev).thunks
+        def kernels(f, *a):
+            thunks = gpu_aot.compile_fn(functools.partial(f, scale=128**-0.5), *(a or args), device=dev).thunks
             return [m.group(1) for m in re.finditer(r"kCustomKernel\s+\[[^]]*\]\s*(\S+)", thunks)]
-        print(json.dumps({"default": kernels(kvc.cached_attention), "blocks": kernels(kvc.attention_blocks)}))
+        fp8 = (args[0], args[1].astype(jnp.float8_e4m3fn), args[2].astype(jnp.float8_e4m3fn), args[3],
+               jnp.float32(2.0), jnp.float32(0.5))
+        print(json.dumps({"default": kernels(kvc.cached_attention), "blocks": kernels(kvc.attention_blocks),
+                          "fp8": kernels(lambda q, k, v, sl, ks, vs, scale: kvc.cached_attention(
+                              q, k, v, sl, scale, ks, vs), *fp8)}))
     """)
-    assert len(out["default"]) == 3, out
-    assert sum(k.startswith("gemm_fusion") for k in out["default"]) == 2, out
+    for form in ("default", "fp8"):
+        assert len(out[form]) == 3, out
+        assert sum(k.startswith("gemm_fusion") for k in out[form]) == 2, out
     assert len(out["blocks"]) > 3, out
 
 
