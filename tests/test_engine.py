@@ -66,15 +66,17 @@ def test_the_gpus_attention_form_never_changes_a_request_either(model, monkeypat
 
     monkeypatch.setattr(kvc, "attention_blocks", rows)
     jax.clear_caches()  # programs traced with the blocks form
-    _, ref = run(model, slots=15, continuous=False)
-    assert calls, "the engine did not trace the patched attention"
-    for kw in (dict(slots=4), dict(slots=3, steps=7, continuous=False)):
-        _, out = run(model, **kw)
-        for k, v in as_np(out).items():
-            np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"{kw} {k}")
+    try:
+        _, ref = run(model, slots=15, continuous=False)
+        assert calls, "the engine did not trace the patched attention"
+        for kw in (dict(slots=4), dict(slots=3, steps=7, continuous=False)):
+            _, out = run(model, **kw)
+            for k, v in as_np(out).items():
+                np.testing.assert_array_equal(v, as_np(ref)[k], err_msg=f"{kw} {k}")
+    finally:
+        jax.clear_caches()  # no later test may reuse a program traced with the patched form
     np.testing.assert_array_equal(as_np(ref)["tokens"], as_np(blocks)["tokens"])
     np.testing.assert_allclose(as_np(ref)["logprobs"], as_np(blocks)["logprobs"], rtol=0, atol=1e-4)
-    jax.clear_caches()
 
 
 def test_tail_compaction_shrinks_the_slots_and_changes_no_request(model):
