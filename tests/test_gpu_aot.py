@@ -153,16 +153,23 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     """The GPU's decode step (a fixed round's body, 2-layer Qwen3): every kernel of a bf16 step in one command buffer
     (one CUDA graph launch per token, not one launch per kernel) and no loop inside it (a while loop in the step
     would copy its condition to the host every iteration). The fp4_gemm sampler runs every projection through the
-    Mosaic GPU kernel, q / k / v and gate / up merged (4 per layer: qkv, o, gate_up, down; 7 unmerged)."""
+    Mosaic GPU kernel, q / k / v and gate / up merged (4 per layer: qkv, o, gate_up, down; 7 unmerged). An FP8 KV
+    cache adds no kernel to the step: its quantization fuses into the cache writes, its values convert inside the
+    attention's GEMMs, and its scales, set by the prefill, are not re-derived (only each layer's two scale scalars
+    are copied out of their [L] arrays, 4-byte copies in the graph)."""
     out = _run("""
         import json
         from triage_jax.tools import gpu_aot
         from experiments.bench_gpu import SMALL_MODEL as small  # bench_gpu's 2-layer Qwen3
         dev = gpu_aot.h200()
         print(json.dumps([gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=dev,
-                                              overrides=small) for s in ("bf16", "w4a16:fp4_gemm")]))
+                                              overrides=small, kv_cache=kv)
+                          for s, kv in (("bf16", "bf16"), ("w4a16:fp4_gemm", "bf16"), ("bf16", "fp8"))]))
     """)
-    bf16, fp4 = out
+    bf16, fp4, fp8 = out
+    assert fp8["command_buffers"] == 1 and fp8["outside_graphs"] == 0, fp8
+    assert fp8["by_kind"]["kCustomKernel"] == bf16["by_kind"]["kCustomKernel"], (fp8, bf16)
+    assert fp8["launches"] <= bf16["launches"] + 2 * fp8["layers"], (fp8, bf16)
     assert bf16["command_buffers"] == 1 and bf16["outside_graphs"] == 0 and bf16["nested_loops"] == 0, bf16
     assert bf16["launches"] == bf16["by_kind"]["kCustomKernel"] > 0, bf16  # every launch a kernel of the graph
     assert fp4["by_kind"].get("kCustomCall") == 4 * 2, fp4

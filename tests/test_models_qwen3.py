@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from triage_jax.models import Qwen3, get_model_config, init_kv_cache, prequantize_model
-from triage_jax.models.kv_cache import FP8, quantize_fp8_kv
+from triage_jax.models.kv_cache import FP8, fp8_write_scale, quantize_fp8_kv
 from triage_jax.quant import LayerPrecision, PrecisionPolicy, QuantizedWeight
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -107,6 +107,28 @@ def test_fp8_kv_cache_scale_is_set_by_prefill_and_clipped_after(model):
     # Clip before the cast: out-of-range values saturate at +-448 instead of becoming NaN.
     q = quantize_fp8_kv(jnp.asarray([1e6, -1e6, 1.0]), jnp.float32(1.0))
     assert np.asarray(q.astype(jnp.float32)).tolist() == [448.0, -448.0, 1.0]
+
+
+def test_a_cache_whose_scales_are_set_skips_the_amax_with_the_same_bits(model):
+    """The engine's decode rounds mark their FP8 cache `scales_set` (the prefill set every scale): a write must then
+    store the same codes and keep the same scales as one that derives them; and a set scale is never 0, even where
+    amax * headroom / 448 flushes to zero (a 0 would divide every later write by zero)."""
+    ids, _ = _left_padded(pads=(0, 0, 0))
+    lens = np.array([7, 5, 2])
+    mask = jnp.arange(7)[None, :] < jnp.asarray(lens)[:, None]
+    step = nnx.jit(lambda m, i, c, msk: m(i, attention_mask_bt=msk, cache=c))
+    _, cache = step(model, ids[:, :7], init_kv_cache(model.cfg, 3, 64, kv_format="fp8"), mask)
+    nxt, ones = _continue(ids, lens, 0), jnp.ones((3, 1), bool)
+    a, ca = step(model, nxt, cache, ones)
+    b, cb = step(model, nxt, cache.replace(scales_set=True), ones)
+    assert cb.scales_set and not ca.scales_set
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for x, y in zip(jax.tree.leaves((ca.k, ca.v, ca.k_scale, ca.v_scale)),
+                    jax.tree.leaves((cb.k, cb.v, cb.k_scale, cb.v_scale))):
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+    tiny = jnp.full((1, 1, 1, 4), 2e-38, jnp.float32)  # normal, but 2e-38 * 2 / 448 is subnormal: flushed
+    assert float(fp8_write_scale(jnp.float32(0.0), tiny, jnp.ones((1, 1), bool), 2.0)) == 1.0
+    assert float(fp8_write_scale(jnp.float32(0.0), 0 * tiny, jnp.ones((1, 1), bool), 2.0)) == 1.0
 
 
 def _mean_kl(ref, new):

@@ -368,8 +368,11 @@ def _decode_round(graphdef, state, slots: Slots, key, temperature, top_p, stop_s
         # The weights ride in the loop's carry (unchanged) and the model is built inside: nnx.scan (scan_layers=True)
         # cannot use graph nodes from the trace outside the loop.
         model = nnx.merge(_graph(graphdef), st_w)
+        # Every FP8 scale is set: a slot decodes only after its insertion, whose prefill set every layer's scale.
         h_s1d, cache, *aux = model(sl.tok[:, None], attention_mask_bt=sl.active[:, None], policy=policy,
-                                   cache=sl.cache, return_hidden=True, return_aux=sl.out_exp is not None)
+                                   cache=sl.cache.replace(scales_set=True), return_hidden=True,
+                                   return_aux=sl.out_exp is not None)
+        cache = cache.replace(scales_set=sl.cache.scales_set)  # the loop's carry keeps its structure
         # The head's kernel is taken inside the loop, next to its dot, as the learner's program has it: hoisted out,
         # the tied head's transpose can reach the dot in another layout, and another layout sums in another order.
         scaled_sv = lm_head_logits(h_s1d[:, 0], model.lm_head_kernel(), policy, temperature)

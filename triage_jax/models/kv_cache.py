@@ -16,7 +16,9 @@ its real ones (right padding): only the real ones advance the row's length.
 FP8 (E4M3) stores a per-layer per-tensor scale set by the first write into the layer (scale == 0 marks "unset"),
 as amax(real tokens of that write) * headroom / 448, so the prefill sets it with `headroom` (default 2x) of room
 for later tokens; every later write reuses it and clips to +-448 before the cast
-(docs/numerics.md#fp8-per-tensor-and-the-kv-cache). A calibrated scale can be fixed with `fp8_scale=s`.
+(docs/numerics.md#fp8-per-tensor-and-the-kv-cache). A calibrated scale can be fixed with `fp8_scale=s`. A cache
+whose every scale is known to be set (the engine's, in its decode rounds: an insertion's prefill set them) says
+so with the static `scales_set`, and its writes skip the first-write amax (two reductions a layer per step).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class KVCache:
     v_scale: jax.Array
     lengths: jax.Array  # int32 [B]: tokens each row holds (at slots [0, lengths))
     fp8_headroom: float = struct.field(pytree_node=False, default=2.0)
+    scales_set: bool = struct.field(pytree_node=False, default=False)  # static: every layer's FP8 scale is > 0
 
     @property
     def stacked(self) -> bool:
@@ -80,17 +83,19 @@ class KVCache:
         """The cache with layer i's T new keys and values at slots slot_bt[b, t] of row b (see `write_slots`); i may
         be traced when the cache is stacked (a scatter into the stacked buffer: no copy of the layer)."""
         hr, ks, vs = self.fp8_headroom, self.k_scale[i], self.v_scale[i]
+        kw = dict(headroom=hr, scale_set=self.scales_set)
         if self.stacked:
-            k, ks = write_slots(self.k, ks, k_btkh, mask_bt, slot_bt, hr, layer=i)
-            v, vs = write_slots(self.v, vs, v_btkh, mask_bt, slot_bt, hr, layer=i)
+            k, ks = write_slots(self.k, ks, k_btkh, mask_bt, slot_bt, layer=i, **kw)
+            v, vs = write_slots(self.v, vs, v_btkh, mask_bt, slot_bt, layer=i, **kw)
         else:
-            kb, ks = write_slots(self.k[i], ks, k_btkh, mask_bt, slot_bt, hr)
-            vb, vs = write_slots(self.v[i], vs, v_btkh, mask_bt, slot_bt, hr)
+            kb, ks = write_slots(self.k[i], ks, k_btkh, mask_bt, slot_bt, **kw)
+            vb, vs = write_slots(self.v[i], vs, v_btkh, mask_bt, slot_bt, **kw)
             k, v = self.k[:i] + (kb,) + self.k[i + 1:], self.v[:i] + (vb,) + self.v[i + 1:]
         out = self.replace(k=k, v=v)
-        if self.is_fp8:  # only FP8 sets a scale (at the first write); storing the others' 1.0 again would cost the
-            # decode step two small kernels a layer. A select, not .at[i].set: XLA:GPU runs an update of a slice in
-            # place as a dynamic-slice copy outside the step's CUDA graph (two graph breaks a layer).
+        if self.is_fp8 and not self.scales_set:  # only FP8 sets a scale (at the first write); storing the
+            # others' 1.0 again would cost the decode step two small kernels a layer. A select, not .at[i].set:
+            # XLA:GPU runs an update of a slice in place as a dynamic-slice copy outside the step's CUDA graph (two
+            # graph breaks a layer).
             at_i = jnp.arange(self.k_scale.shape[0]) == i
             out = out.replace(k_scale=jnp.where(at_i, ks, self.k_scale), v_scale=jnp.where(at_i, vs, self.v_scale))
         return out
@@ -144,9 +149,11 @@ def unstack(cache: KVCache) -> KVCache:
 
 
 def fp8_write_scale(current: jax.Array, x_btkh: jax.Array, mask_bt: jax.Array, headroom: float) -> jax.Array:
-    """The layer's scale after this write: kept if set, else amax(real tokens) * headroom / 448 (1.0 if all zero)."""
+    """The layer's scale after this write: kept if set, else amax(real tokens) * headroom / 448, or 1.0 where that
+    is 0 (all zero, or an amax so small that the scale flushes to zero): a set scale is always > 0."""
     amax = jnp.max(jnp.where(mask_bt[:, :, None, None], jnp.abs(ieee.ftz(x_btkh.astype(F32))), 0.0))
-    fresh = jnp.where(amax > 0, ieee.ftz(amax * (headroom / FP8_MAX)), 1.0)
+    fresh = ieee.ftz(amax * (headroom / FP8_MAX))
+    fresh = jnp.where(fresh > 0, fresh, 1.0)
     return jnp.where(current > 0, current, fresh).astype(F32)
 
 
@@ -156,16 +163,17 @@ def quantize_fp8_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask_bt: jax.Array,
-                slot_bt: jax.Array, headroom: float, layer=None) -> tuple[jax.Array, jax.Array]:
+                slot_bt: jax.Array, headroom: float, layer=None, scale_set: bool = False) -> tuple[jax.Array, jax.Array]:
     """Write the T new keys (or values) of one layer to slots slot_bt[b, t] of row b; returns (buffer, scale).
     With `layer` (an int or a traced scalar), buf is a stacked [L, B, KVH, S, Dh] buffer and the write goes to
-    that layer.
+    that layer. `scale_set` (static): an FP8 scale is known to be set (> 0), so it is used as it is.
 
     Pad tokens (mask 0) are written too (harmless: they sit at or past the row's new length, which they do not
     advance); a slot past the capacity is dropped.
     """
     if buf_bksh.dtype == FP8:
-        scale = fp8_write_scale(scale, new_btkh, mask_bt, headroom)
+        if not scale_set:
+            scale = fp8_write_scale(scale, new_btkh, mask_bt, headroom)
         stored = quantize_fp8_kv(new_btkh, scale)
     else:
         stored = new_btkh.astype(buf_bksh.dtype)

@@ -66,6 +66,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from triage_jax.models.kv_cache import KV_FORMATS  # noqa: E402
+
 # The device description XLA:GPU compiles against (stream_executor.GpuTargetConfigProto, text format): an H200
 # SXM (Hopper, sm_90a) from NVIDIA's datasheet - 132 SMs at 1.98 GHz, 141 GB of HBM3e at 4.8 TB/s, 50 MiB of L2,
 # 228 KiB of shared memory per SM (227 KiB to one block). The fields the compiler's heuristics read.
@@ -221,10 +223,11 @@ def fusion_outputs(hlo: str) -> dict[str, int]:
 
 
 def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
-                device=None, overrides: dict | None = None) -> dict:
+                device=None, overrides: dict | None = None, kv_cache: str = "bf16") -> dict:
     """The kernels one decode step of the engine launches on `device` (default: a compile-only H200), for the
-    model config `model_name` (random init, bf16; nothing materialized: the weights stay abstract) and the
-    sampler `sampler`: <preset>[:<backend>] (a sampler preset, a quantization backend; default xla)."""
+    model config `model_name` (random init, bf16; nothing materialized: the weights stay abstract), the
+    sampler `sampler`: <preset>[:<backend>] (a sampler preset, a quantization backend; default xla) and the KV
+    cache format `kv_cache`."""
     from flax import nnx
 
     from triage_jax import models
@@ -233,7 +236,7 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
 
     device = device or h200()
     preset, _, backend = sampler.partition(":")
-    policy = sm.sampler_policy(preset, backend=backend or "xla")
+    policy = sm.sampler_policy(preset, backend=backend or "xla", kv_cache=kv_cache)
     cfg = models.get_model_config(model_name, dtype="bfloat16", param_dtype="bfloat16", **(overrides or {}))
     model = nnx.eval_shape(lambda: sm.prepare_model(models.Qwen3(cfg, rngs=nnx.Rngs(0)), policy))
     engine = sm.Engine(sm.SamplingConfig(max_new_tokens=capacity - prompt_len),
@@ -246,7 +249,8 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
     compile_s = time.perf_counter() - t0
     steps = engine.config.steps_per_round
     body = loop_body_thunks(out.thunks)
-    return {"model": model_name, "sampler": sampler, "batch": batch, "layers": cfg.num_hidden_layers,
+    return {"model": model_name, "sampler": sampler, "kv_cache": kv_cache, "batch": batch,
+            "layers": cfg.num_hidden_layers,
             "steps_per_round": steps, "compile_s": round(compile_s, 1), **body,
             "launches_per_layer": round(body["launches"] / cfg.num_hidden_layers, 1)}
 
@@ -307,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="qwen3_0_6b")
     ap.add_argument("--samplers", default="bf16,w4a16")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--kv-cache", default="bf16", choices=KV_FORMATS, help="decode: the KV cache format")
     ap.add_argument("--config", default="configs/qwen3_4b.py", help="learner: the run config")
     ap.add_argument("--precisions", default="bf16,w4a4", help="learner: learner.precision values")
     ap.add_argument("--scan", default="true,false", help="learner: model.scan_layers values")
@@ -327,12 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"{device.device_kind} (this process's device)" if args.local else
              f"{H200.split('device_description_str: ')[1].strip()} (deviceless)")
     rows = []
-    print(f"decode step on {where}, XLA of jaxlib {_jaxlib_version()}: kernels launched per step")
+    print(f"decode step on {where}, XLA of jaxlib {_jaxlib_version()}, {args.kv_cache} KV cache: kernels "
+          "launched per step")
     print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6} {'ungraphed':>9}"
           f" {'compile s':>9}  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
-            r = decode_step(name, sampler, args.batch, device=device)
+            r = decode_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache)
             rows.append(r)
             top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
