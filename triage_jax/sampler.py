@@ -574,6 +574,8 @@ class Engine:
         s = slots.tok.shape[0]
         out = jax.tree.map(lambda x: shd.batch_sharding(self.mesh, x.ndim, self.rules) if x.ndim and x.shape[0] == s
                            else shd.replicated(self.mesh), slots)
+        rep = jax.tree.map(lambda _: shd.replicated(self.mesh), slots.cache.k_scale)  # [L] may equal the slots
+        out = out.replace(cache=out.cache.replace(k_scale=rep, v_scale=rep))
         names = (BATCH, HEADS, LENGTH, KV)
         if slots.cache.stacked:
             kv = NamedSharding(self.mesh, shd.logical_to_mesh((None, *names), self.rules, self.mesh))

@@ -42,7 +42,9 @@ BLOCK = 64  # cache capacity granule: attention reduces over fixed 64-slot block
 @struct.dataclass
 class KVCache:
     """k, v: per-layer tuples of [B, KVH, S, Dh] or stacked [L, B, KVH, S, Dh] arrays; k_scale, v_scale: float32
-    [L] (1.0 unless fp8); lengths: [B]."""
+    scales (1.0 unless fp8), as the buffers are: per-layer tuples of scalars or stacked [L] arrays (a layer's
+    scale a buffer of its own, not a slice: XLA:GPU copies a slice of an [L] array out before a GEMM fusion reads
+    it, two copies a layer per decode step); lengths: [B]."""
 
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
@@ -92,13 +94,15 @@ class KVCache:
             vb, vs = write_slots(self.v[i], vs, v_btkh, mask_bt, slot_bt, **kw)
             k, v = self.k[:i] + (kb,) + self.k[i + 1:], self.v[:i] + (vb,) + self.v[i + 1:]
         out = self.replace(k=k, v=v)
-        if self.is_fp8 and not self.scales_set:  # only FP8 sets a scale (at the first write); storing the
-            # others' 1.0 again would cost the decode step two small kernels a layer. A select, not .at[i].set:
-            # XLA:GPU runs an update of a slice in place as a dynamic-slice copy outside the step's CUDA graph (two
-            # graph breaks a layer).
-            at_i = jnp.arange(self.k_scale.shape[0]) == i
-            out = out.replace(k_scale=jnp.where(at_i, ks, self.k_scale), v_scale=jnp.where(at_i, vs, self.v_scale))
-        return out
+        if not self.is_fp8 or self.scales_set:  # only FP8 sets a scale (at the first write); storing the others'
+            return out  # 1.0 again would cost the decode step two small kernels a layer
+        if isinstance(self.k_scale, tuple):
+            return out.replace(k_scale=self.k_scale[:i] + (ks,) + self.k_scale[i + 1:],
+                               v_scale=self.v_scale[:i] + (vs,) + self.v_scale[i + 1:])
+        # A select, not .at[i].set: XLA:GPU runs an update of a slice in place as a dynamic-slice copy outside the
+        # step's CUDA graph (two graph breaks a layer).
+        at_i = jnp.arange(self.k_scale.shape[0]) == i
+        return out.replace(k_scale=jnp.where(at_i, ks, self.k_scale), v_scale=jnp.where(at_i, vs, self.v_scale))
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str = "bf16", dtype=None,
@@ -119,11 +123,12 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str 
         scale0 = 1.0
     shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     layers = cfg.num_hidden_layers
-    scales = jnp.full((layers,), scale0, F32)
     if cfg.scan_layers if stacked is None else stacked:
         k, v = (jnp.zeros((layers, *shape), store) for _ in "kv")  # two buffers (the engine donates both)
+        scales = jnp.full((layers,), scale0, F32)
     else:
         k, v = (tuple(jnp.zeros(shape, store) for _ in range(layers)) for _ in "kv")
+        scales = tuple(jnp.full((), scale0, F32) for _ in range(layers))
     return KVCache(k=k, v=v, k_scale=scales, v_scale=scales, lengths=jnp.zeros((batch,), jnp.int32),
                    fp8_headroom=float(fp8_headroom))
 
@@ -140,12 +145,15 @@ def map_layers(fn, cache: KVCache, *others: KVCache) -> KVCache:
 
 def stack(cache: KVCache) -> KVCache:
     """The same cache in the stacked form (a copy unless it is stacked already)."""
-    return cache if cache.stacked else cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
+    return cache if cache.stacked else cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v),
+                                                     k_scale=jnp.stack(cache.k_scale), v_scale=jnp.stack(cache.v_scale))
 
 
 def unstack(cache: KVCache) -> KVCache:
     """The same cache as a tuple of per-layer buffers (a copy unless it is one already)."""
-    return cache.replace(k=tuple(cache.k), v=tuple(cache.v)) if cache.stacked else cache
+    if not cache.stacked:
+        return cache
+    return cache.replace(k=tuple(cache.k), v=tuple(cache.v), k_scale=tuple(cache.k_scale), v_scale=tuple(cache.v_scale))
 
 
 def fp8_write_scale(current: jax.Array, x_btkh: jax.Array, mask_bt: jax.Array, headroom: float) -> jax.Array:
@@ -163,7 +171,8 @@ def quantize_fp8_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask_bt: jax.Array,
-                slot_bt: jax.Array, headroom: float, layer=None, scale_set: bool = False) -> tuple[jax.Array, jax.Array]:
+                slot_bt: jax.Array, headroom: float, layer=None,
+                scale_set: bool = False) -> tuple[jax.Array, jax.Array]:
     """Write the T new keys (or values) of one layer to slots slot_bt[b, t] of row b; returns (buffer, scale).
     With `layer` (an int or a traced scalar), buf is a stacked [L, B, KVH, S, Dh] buffer and the write goes to
     that layer. `scale_set` (static): an FP8 scale is known to be set (> 0), so it is used as it is.
