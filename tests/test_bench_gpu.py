@@ -1,5 +1,7 @@
 """experiments/bench_gpu.py off a GPU (`--small`): the parts that decide what a scarce GPU run brings back."""
 
+import pytest
+
 from experiments import bench_gpu as bg
 
 
@@ -40,6 +42,7 @@ def test_step_ops_counts_the_kernels_of_one_loop_iteration():
         bg.step_ops(hlo, loop="jit(g)/while")
 
 
+@pytest.mark.slow  # 56 s on 2 cores (pytest -n 2): the default run stays near 15 min; CI runs it
 def test_engine_hf_and_first_call_run_in_the_dry_run():
     """The engine table's HF `generate` row (torch on the CPU here, the GPU there) and the first call's fresh
     processes (an empty, then a filled compilation cache) run off a GPU too, so a transformers / torch API change

@@ -285,6 +285,7 @@ def test_exact_mode_matmuls_have_one_row_count_on_the_h200():
     assert out["64"]["plain_kernels"] == 2 and out["1000"]["plain_kernels"] == 1, out  # split-K's sum at 64 rows
 
 
+@pytest.mark.slow  # 57 s on 2 cores (pytest -n 2): the default run stays near 15 min
 def test_the_learner_compile_tool_compiles_the_configs_learner_scanned_and_unrolled():
     """gpu_aot learner compiles the run config's learner update for a node of H200s with the layers scanned or
     unrolled, as asked: 4 unrolled layers make a program about 4 layer bodies long, the scanned one holds one."""

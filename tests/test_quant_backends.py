@@ -258,6 +258,16 @@ def test_qragged_pallas_quantizers():
                                   np.asarray(quant.qragged_dot(x, w, gs, PRESETS["w4a4"])))
 
 
+def test_align_tool_checks_a_backend_against_the_reference(capsys):
+    """The align tool's table for one backend: every quantizer, qdot and qragged row, 0 mismatches (the slow test
+    below runs every available backend, Pallas and fp4_gemm in their ~1 minute of interpreters)."""
+    assert align.main(["--small", "--repeats", "1", "--backends", "xla_int8"]) == 0
+    out = capsys.readouterr().out
+    assert "14 checks on 1 backends: 0 mismatches" in out, out
+    assert "xla_int8 quantize nvfp4:tile2d" in out and "xla_int8 qragged w4a4" in out, out
+
+
+@pytest.mark.slow  # 67 s on 2 cores (pytest -n 2): the interpreters; the default run stays near 15 min
 def test_align_tool_small_exits_zero(capsys):
     assert align.main(["--small", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
