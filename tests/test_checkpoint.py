@@ -80,6 +80,9 @@ def _garbage_everywhere(d):
             f.write_bytes(b"garbage")
 
 
+# A corrupt checkpoint fails one of orbax's concurrent array reads; the others are abandoned, and when Python
+# collects them their errors surface as "exception ignored in coroutine" (timing-dependent). Expected here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("corrupt", [_truncate_data, _delete_meta, _garbage_meta, _meta_without_data,
                                      _garbage_manifest, _flip_4k, _garbage_everywhere])
 def test_unusable_newest_is_moved_aside_and_never_traps(tmp_path, corrupt, caplog):
