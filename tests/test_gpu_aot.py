@@ -210,25 +210,29 @@ def test_the_xla_w4a16_gemm_writes_only_the_bf16_weight():
     4-bit weight is decoded into one bf16 copy (~50 MB) and nothing more goes through HBM before the GEMM. With E2M1
     codes decoded by a float compare chain and E4M3 scales by integer ops, XLA wrote both nibble planes in float32
     and the scales apart (155.6 MB, 2 kernels more): ~3x the traffic of the bf16 dot the W4A16 sampler is
-    meant to beat. The bytes are the kernels' outputs in the optimized HLO (gpu_aot.fusion_outputs)."""
+    meant to beat. MXFP4 weights (w4a16_mx, one row) likewise: with their E8M0 scales flushed before the product,
+    the scales were a kernel of their own for some weights. The bytes are the kernels' outputs in the optimized HLO
+    (gpu_aot.fusion_outputs)."""
     out = _run("""
         import json, jax, jax.numpy as jnp
         from triage_jax.quant import PRESETS, prequantize, qdot
         from triage_jax.tools import gpu_aot
-        dev, prec = gpu_aot.h200(), PRESETS["w4a16"]
-        wq = jax.eval_shape(lambda w: prequantize(w, prec), jnp.zeros((2560, 9728), jnp.bfloat16))
+        dev = gpu_aot.h200()
         res = {}
-        for m in (1, 64):
+        for preset, m in (("w4a16", 1), ("w4a16", 64), ("w4a16_mx", 1)):
+            prec = PRESETS[preset]
+            wq = jax.eval_shape(lambda w: prequantize(w, prec), jnp.zeros((2560, 9728), jnp.bfloat16))
             x = jnp.zeros((m, 2560), jnp.bfloat16)
             c = gpu_aot.compile_fn(lambda x, w: qdot(x, w, prec, backend="xla"), x, wq, device=dev)
-            res[m] = {"written": gpu_aot.fusion_outputs(c.hlo), "kernels": c.thunks.count("kCustomKernel")}
+            res[f"{preset} {m}"] = {"written": gpu_aot.fusion_outputs(c.hlo),
+                                    "kernels": c.thunks.count("kCustomKernel")}
         print(json.dumps(res))
     """)
     weight_bf16 = 2560 * 9728 * 2
-    for m, r in out.items():
-        y = int(m) * 9728 * 4  # the float32 product (and split-K's partial sums: at most 8 of them)
-        assert weight_bf16 <= sum(r["written"].values()) <= weight_bf16 + 8 * y, (m, r)
-        assert r["kernels"] <= 3, (m, r)
+    for case, r in out.items():
+        y = int(case.split()[1]) * 9728 * 4  # the float32 product (and split-K's partial sums: at most 8 of them)
+        assert weight_bf16 <= sum(r["written"].values()) <= weight_bf16 + 8 * y, (case, r)
+        assert r["kernels"] <= 3, (case, r)
 
 
 @needs_plugin

@@ -4,6 +4,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -406,6 +407,44 @@ def test_both_e4m3_scale_decodes_give_the_same_bits():
     want = np.asarray(scale.astype(F32)).view(np.uint32)
     assert np.array_equal(np.asarray(fmt.e4m3_decode_nonneg(codes)).view(np.uint32), want)  # the CPU's branch
     assert np.array_equal(np.asarray(fmt.e4m3_scale_values(scale)).view(np.uint32), want)
+
+
+def test_both_e8m0_scale_decodes_give_the_same_values():
+    """e8m0_scale_values' two branches (the CPU's integer decode, the float8 convert elsewhere) on all 256 E8M0
+    codes against ml_dtypes' value: 2^(e - 127), code 0 the float32 subnormal 2^-127, 255 NaN."""
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    assert want[0] == 2.0**-127 and np.isnan(want[255])
+    scale = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e8m0fnu)
+    np.testing.assert_array_equal(np.asarray(fmt._pow2_biased(jnp.asarray(codes))), want)  # the CPU's branch
+    np.testing.assert_array_equal(np.asarray(fmt.e8m0_scale_values(scale)), want)
+    # The GPU branch's convert, unflushed (XLA:CPU's own convert may flush 2^-127): every code but 0 exact, and
+    # MXFP4Tensor.block_values' product flush makes code 0's values the zeros a flushed scale gives.
+    conv = np.asarray(scale.astype(F32))
+    np.testing.assert_array_equal(conv[1:], want[1:])
+    assert conv[0] in (0.0, 2.0**-127)
+
+
+def test_mxfp4_values_from_an_unflushed_scale_are_the_cpus():
+    """Off the CPU, MXFP4 weights decode with an unflushed scale (code 0 is the subnormal 2^-127, and e2m1 * 2^-127
+    can be a normal number: 6 * 2^-127), and code 0's products are zeroed instead. That formula, modelled in NumPy
+    (IEEE, subnormals kept) on every E2M1 code under scale codes 0, 1, 127, 254 and 255 (NaN), gives the CPU's
+    block_values (XLA:CPU reads 2^-127 as 0), zeros' signs included. The GPU tests check the GPU's own bits."""
+    rng = np.random.default_rng(0)
+    codes = np.array([[0, 1, 127, 254], [255, 0, 126, 3]], np.uint8)
+    packed = rng.integers(0, 256, (2, 64), dtype=np.uint8)
+    t = fmt.MXFP4Tensor(packed=jnp.asarray(packed), scale=jax.lax.bitcast_convert_type(jnp.asarray(codes),
+                                                                                        jnp.float8_e8m0fnu))
+    got = np.asarray(t.block_values())
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(2, 128)
+    vals = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # 6 * 2^127 overflows; NaN * 0
+        prod = vals * np.repeat(codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, axis=-1)
+        prod = np.where(np.repeat(codes == 0, 32, axis=-1), prod * np.float32(0.0), prod)
+        want = np.where(np.abs(prod) < np.float32(2.0**-126), prod * np.float32(0.0), prod)
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+    assert np.isnan(got[1, :32]).all() and (got[0, :32] == 0).all() and np.signbit(got[0, :32]).any()
 
 
 @SETTINGS

@@ -422,6 +422,16 @@ def _pow2_biased(e: jax.Array) -> jax.Array:
     return jnp.where(e == 255, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(bits, F32))
 
 
+def e8m0_scale_values(scale: jax.Array) -> jax.Array:
+    """2^(e - 127) in float32 for E8M0 scales (float8_e8m0fnu; code 0 the subnormal 2^-127, 255 NaN): on the CPU
+    in integer arithmetic (_pow2_biased), elsewhere by the float8 convert (the same bits). XLA:GPU fuses the
+    convert into the kernel that decodes a weight's values; the integer form (and a flush of its result) made
+    the float32 scales a kernel of their own per weight and step (0.6B w4a16_mx decode: 5 launches a layer)."""
+    return jax.lax.platform_dependent(
+        scale, cpu=lambda s: _pow2_biased(jax.lax.bitcast_convert_type(s, jnp.uint8)),
+        default=lambda s: s.astype(F32))
+
+
 def _check_rounding(rounding: str, what: str) -> None:
     if rounding not in ("floor", "rceil"):
         raise ValueError(f"{what}: unknown rounding {rounding!r}; expected 'floor' or 'rceil'")
@@ -453,8 +463,8 @@ class MXFP4Tensor(PackedFP4):
         return jax.lax.bitcast_convert_type(self.scale, jnp.uint8)
 
     def decoded_scale(self) -> jax.Array:
-        """The block scales 2^(e - 127) as float32 [..., K/32] (integer decode; code 255 -> NaN)."""
-        return _pow2_biased(self.exponents)
+        """The block scales 2^(e - 127) as float32 [..., K/32] (code 0 the subnormal 2^-127; 255 -> NaN)."""
+        return e8m0_scale_values(self.scale)
 
     def block_values(self) -> jax.Array:
         """e2m1(q) * 2^(e - 127) in float32 [..., K]: the exact values (exactly representable in bfloat16). Each
@@ -462,8 +472,17 @@ class MXFP4Tensor(PackedFP4):
         uint8 array of unpacked codes between (on XLA:GPU a kernel of its own per weight and step)."""
         *lead, half = self.packed.shape
         p = self.packed.reshape(*lead, half * 2 // MXFP4_BLOCK, MXFP4_BLOCK // 2)
-        s = ieee.ftz(self.decoded_scale())[..., None]
-        lo, hi = ieee.ftz(e2m1_decode(p & 0xF) * s), ieee.ftz(e2m1_decode(p >> 4) * s)  # [..., nb, 16]
+        # Code 0's scale, the subnormal 2^-127, counts as 0 (XLA:CPU flushes it). Zeroing its products instead of
+        # flushing the scale keeps the scale a bare float8 convert, which XLA:GPU fuses into the GEMM's operand
+        # (a flushed scale was a kernel of its own for some weights: 0.6B w4a16_mx decode, 2 launches a layer).
+        s = e8m0_scale_values(self.scale)[..., None]
+        zero = (self.exponents == 0)[..., None]
+
+        def values(codes):
+            v = e2m1_decode(codes) * s
+            return ieee.ftz(jnp.where(zero, v * jnp.float32(0.0), v))
+
+        lo, hi = values(p & 0xF), values(p >> 4)  # [..., nb, 16]
         return jnp.stack([lo, hi], axis=-1).reshape(*lead, half * 2)
 
     def block_values_t(self) -> jax.Array:
