@@ -84,8 +84,8 @@ class KVCache:
     def write(self, i, k_btkh: jax.Array, v_btkh: jax.Array, mask_bt: jax.Array, slot_bt: jax.Array) -> KVCache:
         """The cache with layer i's T new keys and values at slots slot_bt[b, t] of row b (see `write_slots`); i may
         be traced when the cache is stacked (a scatter into the stacked buffer: no copy of the layer)."""
-        hr, ks, vs = self.fp8_headroom, self.k_scale[i], self.v_scale[i]
-        kw = dict(headroom=hr, scale_set=self.scales_set)
+        ks, vs = self.k_scale[i], self.v_scale[i]
+        kw = dict(headroom=self.fp8_headroom, scale_set=self.scales_set)
         if self.stacked:
             k, ks = write_slots(self.k, ks, k_btkh, mask_bt, slot_bt, layer=i, **kw)
             v, vs = write_slots(self.v, vs, v_btkh, mask_bt, slot_bt, layer=i, **kw)
