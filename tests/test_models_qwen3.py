@@ -10,7 +10,9 @@ from flax import nnx
 
 from triage_jax.models import Qwen3, get_model_config, init_kv_cache, prequantize_model
 from triage_jax.models.kv_cache import FP8, fp8_write_scale, quantize_fp8_kv
+from triage_jax.models.layers import MergedLinear
 from triage_jax.quant import LayerPrecision, PrecisionPolicy, QuantizedWeight
+from triage_jax.quant.formats import NVFP4Int8Tensor, NVFP4Tensor
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, initializer_range=0.1)
@@ -146,8 +148,12 @@ def test_cache_errors(model):
         init_kv_cache(model.cfg, 2, 8, kv_format="int8")
 
 
-def test_prequantized_forward_is_bit_exact(model):
-    policy = PrecisionPolicy.from_spec("w4a4", act_scaling="row")
+@pytest.mark.parametrize("preset, backend", [("w4a4", "xla"), ("w4a4_mx", "xla"), ("w4a4", "xla_int8")])
+def test_prequantized_forward_is_bit_exact(model, preset, backend):
+    """The sampler's copy on the xla backends, q / k / v and gate / up merged into one weight each (one 4-bit decode
+    on XLA:GPU instead of one per part), gives the on-the-fly quantized forward's logits bit for bit: each NVFP4
+    part keeps its own tensor amax (the parts' amax differ here), and XLA:CPU's merged GEMM sums as the parts' do."""
+    policy = PrecisionPolicy.from_spec(preset, act_scaling="row", backend=backend)
     ids, mask = _left_padded()
     if model.cfg.is_moe:
         try:
@@ -155,13 +161,43 @@ def test_prequantized_forward_is_bit_exact(model):
         except NotImplementedError:
             pytest.skip("quantized qragged_dot not available yet")
     q = jit_prequantize(model, policy)
-    assert isinstance(q.layers[0].attn.q_proj.kernel.get_value(), QuantizedWeight)
+    attn = q.layers[0].attn
+    assert isinstance(attn.qkv_proj, MergedLinear) and attn.q_proj is None and attn.v_proj is None
+    merged = attn.qkv_proj.kernel.get_value()
+    assert isinstance(merged, QuantizedWeight) and merged.shape == (64, 64 + 32 + 32)
+    if preset == "w4a4":
+        assert isinstance(merged.q, NVFP4Int8Tensor if backend == "xla_int8" else NVFP4Tensor)
+        amax = np.asarray(merged.q.amax)[:, 0]
+        assert amax.shape == (128,) and len(set(amax[[0, 64, 96]])) == 3  # q's, k's and v's own amax
+    assert isinstance(q.layers[0].attn.o_proj.kernel.get_value(), QuantizedWeight)
+    if not model.cfg.is_moe:
+        assert isinstance(q.layers[0].mlp.gate_up_proj, MergedLinear) and q.layers[0].mlp.up_proj is None
     assert not isinstance(model.layers[0].attn.q_proj.kernel.get_value(), QuantizedWeight)  # original untouched
     assert not isinstance(q.embed.embedding.get_value(), QuantizedWeight)  # embed stays high precision
     a = np.asarray(fwd(model, ids, mask, policy))
     b = np.asarray(fwd(q, ids, mask, policy))
     np.testing.assert_array_equal(a, b)
     assert np.abs(a - np.asarray(fwd(model, ids, mask))).max() > 1e-3  # quantization did something
+
+
+def test_projections_a_mesh_splits_are_not_merged():
+    """A mesh whose tensor axis splits the heads and the MLP keeps q / k / v and gate / up apart (a merged weight
+    has no logical names: it would be replicated there); one that splits only what the sampler replicates (fsdp)
+    merges them."""
+    from jax.sharding import AbstractMesh
+
+    from triage_jax import sharding as shd
+
+    m = Qwen3(get_model_config("tiny", **SMALL), rngs=nnx.Rngs(0))
+    policy = PrecisionPolicy.from_spec("w4a16")
+    mesh = lambda **sizes: AbstractMesh(tuple(sizes.get(a, 1) for a in shd.MESH_AXES), shd.MESH_AXES)  # noqa: E731
+    apart = prequantize_model(m, policy, mesh=mesh(tensor=2)).layers[0]
+    assert apart.attn.qkv_proj is None and isinstance(apart.attn.k_proj.kernel.get_value(), QuantizedWeight)
+    assert apart.mlp.gate_up_proj is None and apart.mlp.up_proj is not None
+    merged = prequantize_model(m, policy, mesh=mesh(fsdp=2)).layers[0]
+    assert isinstance(merged.attn.qkv_proj, MergedLinear) and isinstance(merged.mlp.gate_up_proj, MergedLinear)
+    own = prequantize_model(m, policy, mesh=mesh(tensor=2), rules=(("heads", None), ("kv", None), ("mlp", None)))
+    assert isinstance(own.layers[0].attn.qkv_proj, MergedLinear)  # these rules replicate them
 
 
 def test_prequantized_tied_head():

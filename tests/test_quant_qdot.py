@@ -10,6 +10,7 @@ import pytest
 
 from triage_jax import quant
 from triage_jax.quant import PRESETS, LayerPrecision, PrecisionPolicy
+from triage_jax.quant.backends import get_backend
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -83,6 +84,32 @@ def test_prequantized_weight_reuse():
     assert quant.prequantize(w, PRESETS["bf16"]) is w
     with pytest.raises(ValueError, match="pre-quantized as nvfp4"):
         quant.qdot(x, qw, PRESETS["fp8"])
+
+
+@pytest.mark.parametrize("preset, backend", [("w4a4", "xla"), ("w4a16_mx", "xla"), ("w4a16", "xla_int8")])
+def test_merged_weights_give_each_parts_bits_at_the_4b_shapes(preset, backend):
+    """A layer's q / k / v quantized once and merged (concat_prequantized: one 4-bit decode on XLA:GPU instead of
+    three) give each part's own product bit for bit at the 4B's shapes (K 2560, N 4096 + 1024 + 1024), for one row
+    and a decode batch: each NVFP4 part's tensor factor scales its own columns (the parts' amax differ 4x), and
+    XLA:CPU's GEMM sums a column of the merged weight as it sums the part's. The merged weight's dequantize is
+    the parts' too (the straight-through backward's values)."""
+    prec = dataclasses.replace(PRESETS[preset], act_scaling="row") if PRESETS[preset].act != "none" else PRESETS[preset]
+    keys = jax.random.split(jax.random.key(1), 4)
+    ws = [(jax.random.normal(k, (2560, n), F32) * 0.02 * (i + 1)).astype(BF16)
+          for i, (k, n) in enumerate(zip(keys, (4096, 1024, 1024)))]
+    quantize = jax.jit(lambda w: quant.prequantize(w, prec, backend=backend))
+    parts = [quantize(w) for w in ws]
+    merged = quant.concat_prequantized(parts, backend)
+    assert merged is not None and merged.shape == (2560, 6144)
+    f = jax.jit(lambda a, b: get_backend(backend).forward(a, b.q, prec))  # float32, before qdot's cast to x's
+    for m in (1, 64):
+        x = jax.random.normal(jax.random.fold_in(keys[3], m), (m, 2560), F32).astype(BF16)
+        want = np.concatenate([np.asarray(f(x, p)) for p in parts], axis=-1)
+        np.testing.assert_array_equal(np.asarray(f(x, merged)), want)
+    np.testing.assert_array_equal(np.asarray(merged.dequantize()),
+                                  np.concatenate([np.asarray(p.dequantize()) for p in parts], axis=-1))
+    assert quant.concat_prequantized(parts[:1], backend) is None  # nothing to merge
+    assert quant.concat_prequantized([parts[0], quantize(ws[1][:1024])], backend) is None  # another K
 
 
 def _manual_nvfp4_grads(x, w, c, key):

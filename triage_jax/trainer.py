@@ -178,10 +178,15 @@ class Trainer:
         params = None
         if self.staleness:
             self.sampler_params = params = jax.tree.map(jnp.copy, self.learner.params)
-        self.sampler_model = sampler.prepare_model(self.learner.model(params), self.sampler_policy)
+        self.sampler_model = self._prepare(params)
         jax.block_until_ready(nnx.state(self.sampler_model))
         self.engine.load(self.sampler_model)
         return time.perf_counter() - t0
+
+    def _prepare(self, params):
+        """The sampler's copy of these learner parameters (None: the learner's own), for the engine's mesh."""
+        return sampler.prepare_model(self.learner.model(params), self.sampler_policy, mesh=self.engine.mesh,
+                                     rules=self.engine.rules)
 
     # ---------------------------------------------------------------------------------------------- rollout
     def rollout(self, key) -> tuple[rollout_lib.Rollout, dict[str, float], float]:
@@ -254,7 +259,7 @@ class Trainer:
             return 0.0
         t0 = time.perf_counter()
         for i in range(len(self.queue), self.staleness):
-            self.engine.load(sampler.prepare_model(self.learner.model(self.behaviour[i]), self.sampler_policy))
+            self.engine.load(self._prepare(self.behaviour[i]))
             self.queue.append(self._draw_ahead(self.step + i))
         self.engine.load(self.sampler_model)  # the current weights again: they sample step k + s
         return time.perf_counter() - t0

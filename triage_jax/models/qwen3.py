@@ -294,13 +294,15 @@ def unstack_layers(model: Qwen3) -> Qwen3:
     return nnx.merge(graphdef, state)
 
 
-def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
+def prequantize_model(model: Qwen3, policy: PrecisionPolicy, *, mesh=None, rules=None) -> Qwen3:
     """A copy whose quantized-weight linear kernels are `QuantizedWeight`s, quantized once (for the sampler).
 
     The copy shares the untouched arrays with `model` (no copy of the high-precision weights); its forward under
     the same policy equals the on-the-fly quantized forward bit for bit, except where a backend merges a layer's
     projections into one kernel call (`_merge_projections`: fp4_gemm), whose float32 sums may then run in another
-    order (within the kernel's accumulation bound).
+    order (within the kernel's accumulation bound). The xla backend's merged weights give the same bits on
+    XLA:CPU (tests/test_quant_qdot.py). `mesh` / `rules`: where the sampler runs (its rules,
+    sharding.sampler_rules); projections that this mesh splits are not merged.
     """
     graphdef, state = nnx.split(model)
     new = nnx.merge(graphdef, state)
@@ -325,15 +327,16 @@ def prequantize_model(model: Qwen3, policy: PrecisionPolicy) -> Qwen3:
         w = new.embed.embedding[...].T.astype(new.cfg.dtype)
         names = _quantized_names(new.embed.embedding.get_metadata().get("out_sharding")[::-1], 1, 1)
         new.tied_head_q = QuantizedKernel(_quantize_kernel(w, prec, policy.backend, False), **{QUANTIZED_NAMES: names})
-    _merge_projections(new, policy)
+    _merge_projections(new, policy, mesh, rules)
     return new
 
 
-def _merge_projections(model: Qwen3, policy: PrecisionPolicy) -> None:
+def _merge_projections(model: Qwen3, policy: PrecisionPolicy, mesh=None, rules=None) -> None:
     """On a backend that merges quantized weights (Backend.concat_weights: fp4_gemm, one kernel launch per
-    weight), each layer's q / k / v and gate / up projections become one GEMM each (layers.MergedLinear; the
-    parts set to None). Not for stacked layers, exact mode, or parts with different precisions or unquantized.
-    The merged kernel carries no logical names: it is replicated on a mesh (a custom kernel is not partitioned)."""
+    weight; xla, one 4-bit decode per weight), each layer's q / k / v and gate / up projections become one GEMM
+    each (layers.MergedLinear; the parts set to None). Not for stacked layers, exact mode, parts with different
+    precisions or unquantized, or parts that `mesh` splits: the merged kernel carries no logical names, so it is
+    replicated (each device would decode every part's whole weight, and the outputs would be resharded)."""
     if model.cfg.scan_layers or policy.exact or get_backend(policy.backend).concat_weights is None:
         return
     for layer in model.layers:
@@ -344,12 +347,24 @@ def _merge_projections(model: Qwen3, policy: PrecisionPolicy) -> None:
             parts = [getattr(owner, p) for p in part_names]
             if len({policy.for_layer(p.path) for p in parts}) != 1:
                 continue
+            if any(_split_on(mesh, rules, p.kernel.get_metadata().get(QUANTIZED_NAMES)) for p in parts):
+                continue
             merged = concat_prequantized([p.kernel.get_value() for p in parts], policy.backend)
             if merged is None:
                 continue
             setattr(owner, name, MergedLinear(parts, merged))
             for p in part_names:
                 setattr(owner, p, None)
+
+
+def _split_on(mesh, rules, names) -> bool:
+    """Whether a quantized kernel with these logical names is split over `mesh` by the sampler's `rules`."""
+    if mesh is None or names is None:
+        return False
+    from triage_jax import sharding as shd  # here: triage_jax.sharding imports this package
+
+    rules = shd.sampler_rules(rules if rules is not None else shd.DEFAULT_RULES)
+    return any(shd.split_count(mesh, a) > 1 for a in shd.logical_to_mesh(names, rules, mesh))
 
 
 def _quantized_names(names, n_in: int, n_out: int):

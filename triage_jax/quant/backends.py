@@ -71,8 +71,9 @@ class Backend:
         or quantized [E, N, K]. Without it: `quantize` both operands, then the reference grouped GEMM
         (composed_grouped_dot).
     concat_weights: optional (weights quantized once by this backend, [N_i, K] each) -> one weight [sum N_i, K]
-        whose dot is the parts' dots side by side, or None where these cannot merge: a backend whose GEMM is one
-        launch per weight (a custom kernel) runs a layer's projections of one input as one (models.layers.MergedLinear).
+        whose dot is the parts' dots side by side, or None where these cannot merge: a layer's projections of one
+        input then run as one (models.layers.MergedLinear), one launch of a custom kernel (fp4_gemm) or one 4-bit
+        decode (xla) instead of one per part.
     unsupported: {op: reason} for the operations in OPS this backend does not provide; asking for one raises
         BackendUnsupportedError with the reason (and a composed forward that needs it does too).
     accelerated: whether "auto" may pick it here.
@@ -413,12 +414,35 @@ def _reference_forward(x_mk: jax.Array, w, prec, gs: jax.Array | None = None) ->
     xv, wv = xv.astype(cdt), wv.astype(cdt)
     if gs is None:
         y = jax.lax.dot_general(xv, wv, (((1,), (k_axis,)), ((), ())), preferred_element_type=F32)
+        if jnp.ndim(fw):  # a merged weight's per-row amax [N, 1] (reference_concat_weights): one factor per column
+            fw = jnp.reshape(fw, (1, -1))
         return y * fx * fw
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (k_axis,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,)
     )
     y = jax.lax.ragged_dot_general(xv, wv, gs, dims, preferred_element_type=F32)
     return y * fx * per_row_factor(fw, row_groups(gs, x_mk.shape[0]))
+
+
+def reference_concat_weights(qs) -> fmt.NVFP4Tensor | fmt.NVFP4Int8Tensor | fmt.MXFP4Tensor | None:
+    """Weights quantized once [N_i, K] as one [sum N_i, K] for the xla forward: codes and block scales side by side
+    along N. NVFP4 parts keep their own tensor amax, repeated over their rows (a "row"-scaled tensor, amax [N, 1]),
+    so every element's decode factor is its part's. The forward decodes one weight instead of one per part: on
+    XLA:GPU each 4-bit decode is a kernel of its own, while XLA merges the parts' GEMMs anyway (its DotMerger).
+    None where they cannot merge: not all 2D NVFP4 with one scalar amax each (tensor or tile2d scaling), or all
+    MXFP4 of one rounding, of one K. NVFP4 parts stored as int8 codes (xla_int8) merge alike."""
+    qs = list(qs)
+    if len(qs) < 2 or any(len(q.shape) != 2 for q in qs) or len({q.shape[-1] for q in qs}) != 1:
+        return None
+    for cls, codes in ((fmt.NVFP4Tensor, "packed"), (fmt.NVFP4Int8Tensor, "codes")):
+        if all(isinstance(q, cls) and q.scaling != "row" and jnp.ndim(q.amax) == 0 for q in qs):
+            amax = jnp.concatenate([jnp.broadcast_to(jnp.asarray(q.amax, F32), (q.shape[0], 1)) for q in qs])
+            return cls(jnp.concatenate([getattr(q, codes) for q in qs]), jnp.concatenate([q.scale for q in qs]),
+                       amax, "row")
+    if all(isinstance(q, fmt.MXFP4Tensor) for q in qs) and len({q.rounding for q in qs}) == 1:
+        return fmt.MXFP4Tensor(jnp.concatenate([q.packed for q in qs]), jnp.concatenate([q.scale for q in qs]),
+                               qs[0].rounding)
+    return None
 
 
 def reference_dot(x_mk: jax.Array, w, prec) -> jax.Array:
@@ -433,7 +457,8 @@ def reference_grouped_dot(x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) ->
 
 register_backend(
     Backend("xla", lambda: (True, "pure jax.numpy reference"), reference_quantize, reference_matmul,
-            quantize_kn=reference_quantize_kn, dot=reference_dot, grouped_dot=reference_grouped_dot)
+            quantize_kn=reference_quantize_kn, dot=reference_dot, grouped_dot=reference_grouped_dot,
+            concat_weights=reference_concat_weights)
 )
 
 
@@ -449,7 +474,7 @@ def int8_quantize_kn(w_kn: jax.Array, fmt_name: str, scaling: str = "tensor"):
 register_backend(
     Backend("xla_int8", lambda: (True, "the xla reference; quantized-once NVFP4 weights as int8 2*e2m1 codes"),
             reference_quantize, reference_matmul, accelerated=lambda: False, quantize_kn=int8_quantize_kn,
-            dot=reference_dot, grouped_dot=reference_grouped_dot)
+            dot=reference_dot, grouped_dot=reference_grouped_dot, concat_weights=reference_concat_weights)
 )
 
 

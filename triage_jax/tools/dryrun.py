@@ -190,7 +190,8 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
     tok = type("Tok", (), {"eos_ids": (0,), "pad_id": 0})()
     engine = build.engine(c, tok, mesh=mesh)
     st = engine.st
-    prepared = nnx.eval_shape(lambda: models.prequantize_model(models.Qwen3(model_cfg, rngs=nnx.Rngs(0)), policy))
+    prepared = nnx.eval_shape(lambda: models.prequantize_model(models.Qwen3(model_cfg, rngs=nnx.Rngs(0)), policy,
+                                                               mesh=mesh, rules=engine.rules))
     graphdef, state = nnx.split(prepared)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                          engine.state_shardings(state))
