@@ -71,6 +71,10 @@ class FP4GemmWeight:
     """A 4-bit weight W[N, K] in the kernel's layout (module docstring): `fmt_name` "nvfp4" (with its tensor `amax`)
     or "mxfp4" (amax unused, `rounding` its exponent rule)."""
 
+    # Replicated on a mesh (sharding.sampler_state_shardings): a custom kernel is not partitioned, and this layout
+    # is not the [..., N, K'] one that logical names split (scales are [K/16, N]).
+    MESH_REPLICATED = True
+
     codes: jax.Array
     scales: jax.Array
     amax: jax.Array

@@ -281,6 +281,34 @@ def test_the_fp4_gemm_samplers_copy_runs_qkv_and_gate_up_as_one_gemm_each():
     assert kept.attn.qkv_proj is None and kept.attn.k_proj is not None and kept.mlp.gate_up_proj is not None
 
 
+def test_fp4_gemm_weights_are_replicated_and_merged_on_a_tensor_mesh():
+    """On a mesh whose tensor axis splits the heads, the fp4_gemm copy still merges q / k / v (its custom kernel is
+    not partitioned: its weights are replicated either way), and an unmerged fp4_gemm weight is placed replicated
+    (its [K/16, N] scales are not the [N, K/16] layout the logical names split); the xla copy's parts stay apart
+    and split by their names."""
+    from flax import nnx
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from triage_jax import sharding as shd
+    from triage_jax.models import Qwen3, get_model_config
+    from triage_jax.models.layers import MergedLinear
+    from triage_jax.sampler import prepare_model, sampler_policy
+
+    mesh = AbstractMesh((1, 1, 2, 1), shd.MESH_AXES)
+    model = Qwen3(get_model_config("tiny", num_hidden_layers=1, dtype="bfloat16", param_dtype="bfloat16"),
+                  rngs=nnx.Rngs(0))
+    merged = prepare_model(model, sampler_policy("w4a16", backend="fp4_gemm"), mesh=mesh).layers[0]
+    assert isinstance(merged.attn.qkv_proj, MergedLinear) and isinstance(merged.mlp.gate_up_proj, MergedLinear)
+    apart = prepare_model(model, sampler_policy("w4a16", backend="fp4_gemm", rules=((r"k_proj", "w4a4"),)), mesh=mesh)
+    k = shd.sampler_state_shardings(nnx.state(apart), mesh)["layers"][0]["attn"]["k_proj"]["kernel"]
+    specs = [s.spec for s in jax.tree.leaves(k.get_value(), is_leaf=lambda x: hasattr(x, "spec"))]
+    assert len(specs) == 3 and all(s == P() for s in specs)  # codes, scales, amax
+    xla = prepare_model(model, sampler_policy("w4a16"), mesh=mesh)
+    assert xla.layers[0].attn.qkv_proj is None
+    q = shd.sampler_state_shardings(nnx.state(xla), mesh)["layers"][0]["attn"]["q_proj"]["kernel"].get_value()
+    assert q.q.packed.spec == P("tensor", None)  # rows (output heads) split over tensor
+
+
 @pytest.mark.slow
 def test_fp4_gemm_sampler_gives_the_xla_samplers_greedy_tokens():
     """The tiny engine's greedy tokens with the kernel for every 4-bit weight GEMM (Mosaic GPU's interpreter here)."""

@@ -114,7 +114,8 @@ def split_count(mesh: Mesh, entry) -> int:
 
 def sampler_state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
     """Shardings of the sampler's (prepared) state on `mesh` by `sampler_rules(rules)`: parameters by their
-    logical names, a quantized kernel's arrays by `quantized_spec`."""
+    logical names, a quantized kernel's arrays by `quantized_spec` (replicated where its tensor says
+    MESH_REPLICATED: a custom kernel's layout, kernels/fp4_gemm.py)."""
     rules = sampler_rules(rules)
     base = state_shardings(state, mesh, rules)
 
@@ -122,6 +123,8 @@ def sampler_state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
         names = var.get_metadata().get(QUANTIZED_NAMES) if isinstance(var, nnx.Variable) else None
         if names is None:
             return sharding
+        if getattr(getattr(var.get_value(), "q", None), "MESH_REPLICATED", False):  # a custom kernel's own layout
+            return jax.tree.map(lambda _: replicated(mesh), var)
         k = var.get_value().shape[-2]  # QuantizedWeight.shape is [..., K, N]
         return jax.tree.map(lambda x: NamedSharding(mesh, quantized_spec(x.shape, names, k, rules, mesh)), var)
 

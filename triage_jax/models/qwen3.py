@@ -336,7 +336,8 @@ def _merge_projections(model: Qwen3, policy: PrecisionPolicy, mesh=None, rules=N
     weight; xla, one 4-bit decode per weight), each layer's q / k / v and gate / up projections become one GEMM
     each (layers.MergedLinear; the parts set to None). Not for stacked layers, exact mode, parts with different
     precisions or unquantized, or parts that `mesh` splits: the merged kernel carries no logical names, so it is
-    replicated (each device would decode every part's whole weight, and the outputs would be resharded)."""
+    replicated (each device would decode every part's whole weight, and the outputs would be resharded). A
+    custom kernel's weights (MESH_REPLICATED: fp4_gemm) are replicated anyway, and merge on any mesh."""
     if model.cfg.scan_layers or policy.exact or get_backend(policy.backend).concat_weights is None:
         return
     for layer in model.layers:
@@ -347,7 +348,8 @@ def _merge_projections(model: Qwen3, policy: PrecisionPolicy, mesh=None, rules=N
             parts = [getattr(owner, p) for p in part_names]
             if len({policy.for_layer(p.path) for p in parts}) != 1:
                 continue
-            if any(_split_on(mesh, rules, p.kernel.get_metadata().get(QUANTIZED_NAMES)) for p in parts):
+            if any(_split_on(mesh, rules, p.kernel.get_metadata().get(QUANTIZED_NAMES)) for p in parts
+                   if not getattr(p.kernel.get_value().q, "MESH_REPLICATED", False)):
                 continue
             merged = concat_prequantized([p.kernel.get_value() for p in parts], policy.backend)
             if merged is None:
