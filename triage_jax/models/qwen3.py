@@ -349,7 +349,7 @@ def _merge_projections(model: Qwen3, policy: PrecisionPolicy, mesh=None, rules=N
             if len({policy.for_layer(p.path) for p in parts}) != 1:
                 continue
             if any(_split_on(mesh, rules, p.kernel.get_metadata().get(QUANTIZED_NAMES)) for p in parts
-                   if not getattr(p.kernel.get_value().q, "MESH_REPLICATED", False)):
+                   if not getattr(getattr(p.kernel.get_value(), "q", None), "MESH_REPLICATED", False)):
                 continue
             merged = concat_prequantized([p.kernel.get_value() for p in parts], policy.backend)
             if merged is None:
