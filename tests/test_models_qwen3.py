@@ -198,6 +198,8 @@ def test_projections_a_mesh_splits_are_not_merged():
     assert isinstance(merged.attn.qkv_proj, MergedLinear) and isinstance(merged.mlp.gate_up_proj, MergedLinear)
     own = prequantize_model(m, policy, mesh=mesh(tensor=2), rules=(("heads", None), ("kv", None), ("mlp", None)))
     assert isinstance(own.layers[0].attn.qkv_proj, MergedLinear)  # these rules replicate them
+    plain = prequantize_model(m, PrecisionPolicy.from_spec("bf16"), mesh=mesh(tensor=2)).layers[0]
+    assert plain.attn.qkv_proj is None and plain.attn.q_proj is not None  # unquantized: nothing to merge
 
 
 def test_prequantized_tied_head():
