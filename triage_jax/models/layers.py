@@ -83,8 +83,9 @@ class Linear(nnx.Module):
 class MergedLinear(nnx.Module):
     """Linears of one input as one quantized GEMM: their quantized-once kernels side by side along N
     (`quant.concat_prequantized`), the output split back into each part's (y_q, y_k, y_v). Made by
-    `prequantize_model` in the sampler's copy for a backend whose GEMM is one launch per weight (fp4_gemm), where
-    the parts share one precision; XLA's own GEMMs merge such dots already (its DotMerger)."""
+    `prequantize_model` in the sampler's copy where the parts share one precision, for a backend whose GEMM is one
+    launch per weight (fp4_gemm) or whose 4-bit weights are decoded by a kernel each (xla, xla_int8: XLA's
+    DotMerger merges the parts' GEMMs, not their decodes)."""
 
     def __init__(self, parts: Sequence[Linear], kernel: QuantizedWeight):
         self.in_dims = parts[0].in_dims
