@@ -30,10 +30,10 @@ SCRIPT = textwrap.dedent("""
     model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2, num_key_value_heads=int(sys.argv[4]),
                                                  scan_layers=scan), rngs=nnx.Rngs(0))
     policy = None if precision == "none" else sampler.sampler_policy(precision)
-    if policy is not None:
-        model = sampler.prepare_model(model, policy)  # the trainer's sync: weights quantized once
-    cfg = SamplingConfig(max_new_tokens=24, stop_ids=(7, 11, 19))
     mesh = shd.make_mesh(mesh_shape)
+    if policy is not None:  # the trainer's sync: weights quantized once, q / k / v merged unless the mesh splits them
+        model = sampler.prepare_model(model, policy, mesh=mesh)
+    cfg = SamplingConfig(max_new_tokens=24, stop_ids=(7, 11, 19))
     try:
         engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=128, steps_per_round=4), model=model, mesh=mesh,
                         policy=policy)
@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent("""
     print("RESULT", json.dumps({
         "tokens": np.asarray(out.tokens).tolist(), "logp": np.asarray(out.logprobs).tolist(),
         "devices": len(jax.devices()), "slot_devices": len(shards),
-        "q_proj": shard_shape(attn["q_proj"]["kernel"].get_value()),
+        "q_proj": shard_shape(attn["q_proj"]["kernel"].get_value()) if "q_proj" in attn else None,  # else merged
         "o_proj": shard_shape(attn["o_proj"]["kernel"].get_value()),
         "embed": shard_shape(engine.state["embed"]["embedding"].get_value()),
         "kv_shard": list(kv.shard_shape(kv_shape)), "compiled": compiled}))
@@ -150,11 +150,13 @@ TRAINER_SCRIPT = textwrap.dedent("""
     tr = Trainer(c)
     ro, stats, _ = tr.rollout(jax.random.fold_in(jax.random.key(c.seed), 0))
     m = tr.train_step().metrics
-    w = tr.engine.state["layers"][0]["attn"]["q_proj"]["kernel"].get_value()  # the synced W4A4 codes
+    attn = tr.engine.state["layers"][0]["attn"]
+    name = "q_proj" if "q_proj" in attn else "qkv_proj"  # merged with k / v where the mesh does not split them
+    w = attn[name]["kernel"].get_value()  # the synced W4A4 codes
     print("RESULT", json.dumps({"ids": ro.input_ids.tolist(), "rewards": ro.rewards.tolist(),
                                 "lengths": ro.lengths.tolist(), "loss": m["learner/loss"],
                                 "delta": m["mismatch/mean_abs_delta"], "reward": m["reward/mean"],
-                                "q_shard": list(w.q.packed.addressable_shards[0].data.shape),
+                                "q_name": name, "q_shard": list(w.q.packed.addressable_shards[0].data.shape),
                                 "q_shape": list(w.q.packed.shape)}))
 """)
 
@@ -181,4 +183,5 @@ def test_trainer_on_8_devices_rolls_out_what_1_device_does(tmp_path):
         assert one["reward"] == other["reward"]
         np.testing.assert_allclose(one["loss"], other["loss"], rtol=1e-4, atol=1e-6, err_msg="loss")
         np.testing.assert_allclose(one["delta"], other["delta"], rtol=2.0 ** -8, err_msg="delta")
-    assert tp["q_shard"] == [tp["q_shape"][0] // 2, tp["q_shape"][1]]  # the sampler's q_proj split over tensor
+    assert tp["q_name"] == "q_proj" and tp["q_shard"] == [tp["q_shape"][0] // 2, tp["q_shape"][1]]  # split
+    assert one["q_name"] == "qkv_proj" and one["q_shard"] == one["q_shape"]  # one device: q / k / v merged

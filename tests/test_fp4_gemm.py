@@ -297,8 +297,14 @@ def test_fp4_gemm_weights_are_replicated_and_merged_on_a_tensor_mesh():
     mesh = AbstractMesh((1, 1, 2, 1), shd.MESH_AXES)
     model = Qwen3(get_model_config("tiny", num_hidden_layers=1, dtype="bfloat16", param_dtype="bfloat16"),
                   rngs=nnx.Rngs(0))
-    merged = prepare_model(model, sampler_policy("w4a16", backend="fp4_gemm"), mesh=mesh).layers[0]
+    merged_model = prepare_model(model, sampler_policy("w4a16", backend="fp4_gemm"), mesh=mesh)
+    merged = merged_model.layers[0]
     assert isinstance(merged.attn.qkv_proj, MergedLinear) and isinstance(merged.mlp.gate_up_proj, MergedLinear)
+    for m in (merged_model, prepare_model(model, sampler_policy("w4a16"))):  # fp4_gemm's and xla's merged copies
+        state = nnx.state(m)
+        shardings = shd.sampler_state_shardings(state, mesh)  # one per array, as the dry-run maps them
+        qkv = jax.tree.map(lambda x, s: s.spec, state, shardings)["layers"][0]["attn"]["qkv_proj"]["kernel"]
+        assert all(s == P() for s in jax.tree.leaves(qkv.get_value()))  # no names: replicated
     apart = prepare_model(model, sampler_policy("w4a16", backend="fp4_gemm", rules=((r"k_proj", "w4a4"),)), mesh=mesh)
     k = shd.sampler_state_shardings(nnx.state(apart), mesh)["layers"][0]["attn"]["k_proj"]["kernel"]
     specs = [s.spec for s in jax.tree.leaves(k.get_value(), is_leaf=lambda x: hasattr(x, "spec"))]

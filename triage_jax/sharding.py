@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triage_jax.models.sharding import QUANTIZED_NAMES
+from triage_jax.quant.qdot import QuantizedWeight
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -114,18 +115,21 @@ def split_count(mesh: Mesh, entry) -> int:
 
 def sampler_state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
     """Shardings of the sampler's (prepared) state on `mesh` by `sampler_rules(rules)`: parameters by their
-    logical names, a quantized kernel's arrays by `quantized_spec` (replicated where its tensor says
-    MESH_REPLICATED: a custom kernel's layout, kernels/fp4_gemm.py)."""
+    logical names, a quantized kernel's arrays by `quantized_spec` (each array replicated for a merged kernel,
+    which has no names, and where its tensor says MESH_REPLICATED: a custom kernel's layout, kernels/fp4_gemm.py)."""
     rules = sampler_rules(rules)
     base = state_shardings(state, mesh, rules)
 
     def one(var, sharding):
-        names = var.get_metadata().get(QUANTIZED_NAMES) if isinstance(var, nnx.Variable) else None
-        if names is None:
+        if not isinstance(var, nnx.Variable):
             return sharding
-        if getattr(getattr(var.get_value(), "q", None), "MESH_REPLICATED", False):  # a custom kernel's own layout
+        names, value = var.get_metadata().get(QUANTIZED_NAMES), var.get_value()
+        if not isinstance(value, QuantizedWeight):
+            return sharding
+        # A merged kernel (layers.MergedLinear: no names) or a custom kernel's own layout: every array replicated.
+        if names is None or getattr(value.q, "MESH_REPLICATED", False):
             return jax.tree.map(lambda _: replicated(mesh), var)
-        k = var.get_value().shape[-2]  # QuantizedWeight.shape is [..., K, N]
+        k = value.shape[-2]  # QuantizedWeight.shape is [..., K, N]
         return jax.tree.map(lambda x: NamedSharding(mesh, quantized_spec(x.shape, names, k, rules, mesh)), var)
 
     return jax.tree.map(one, state, base, is_leaf=lambda x: isinstance(x, nnx.Variable))
