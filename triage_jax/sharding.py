@@ -127,7 +127,7 @@ def sampler_state_shardings(state: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
         if not isinstance(value, QuantizedWeight):
             return sharding
         # A merged kernel (layers.MergedLinear: no names) or a custom kernel's own layout: every array replicated.
-        if names is None or getattr(value.q, "MESH_REPLICATED", False):
+        if names is None or value.mesh_replicated:
             return jax.tree.map(lambda _: replicated(mesh), var)
         k = value.shape[-2]  # QuantizedWeight.shape is [..., K, N]
         return jax.tree.map(lambda x: NamedSharding(mesh, quantized_spec(x.shape, names, k, rules, mesh)), var)

@@ -348,10 +348,11 @@ def _merge_projections(model: Qwen3, policy: PrecisionPolicy, mesh=None, rules=N
             parts = [getattr(owner, p) for p in part_names]
             if len({policy.for_layer(p.path) for p in parts}) != 1:
                 continue
-            if any(_split_on(mesh, rules, p.kernel.get_metadata().get(QUANTIZED_NAMES)) for p in parts
-                   if not getattr(getattr(p.kernel.get_value(), "q", None), "MESH_REPLICATED", False)):
+            kernels = [p.kernel for p in parts]
+            if any(_split_on(mesh, rules, k.get_metadata().get(QUANTIZED_NAMES)) for k in kernels
+                   if not (isinstance(k.get_value(), QuantizedWeight) and k.get_value().mesh_replicated)):
                 continue
-            merged = concat_prequantized([p.kernel.get_value() for p in parts], policy.backend)
+            merged = concat_prequantized([k.get_value() for k in kernels], policy.backend)
             if merged is None:
                 continue
             setattr(owner, name, MergedLinear(parts, merged))

@@ -56,6 +56,12 @@ class QuantizedWeight:
         """The dequantized weight [..., K, N]."""
         return jnp.swapaxes(self.q.dequantize(dtype), -1, -2)
 
+    @property
+    def mesh_replicated(self) -> bool:
+        """Whether a mesh holds it whole on every device: a custom kernel's layout (MESH_REPLICATED: fp4_gemm) is
+        not partitioned, nor split by logical names."""
+        return bool(getattr(self.q, "MESH_REPLICATED", False))
+
 
 def quantize_operand(x: jax.Array, fmt_name: str, scaling: str = "tensor", backend: str = "xla"):
     """Quantize x[..., K] along its last axis in the named format (x itself for "none"); 3D = per-matrix."""
