@@ -11,7 +11,7 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     each timed in one jitted loop that rotates through --copies weight copies (> 100 MB, so nothing is served from
     the 50 MB L2): bf16 `jnp.dot`; fp8 (`qdot`, FP8 weights prequantized); w4a16 (NVFP4 weights prequantized,
     packed, bf16 activations); w4a16_int8 (the same weights as int8 2*e2m1 codes, backend xla_int8: the simplest
-    layout XLA's GEMM fusion can read); w4a16_fp4gemm (the same weights in kernels/fp4_gemm.py's layout, its Mosaic
+    layout XLA's GEMM fusion can read) and w4a16_int8sc (that layout with XLA's subchannel-dequantisation fusion); w4a16_fp4gemm (the same weights in kernels/fp4_gemm.py's layout, its Mosaic
     GPU kernel, backend fp4_gemm) and w4a16_fp4gemmreg (that kernel with wgmma's A from registers); w4a4 and
     w4a4_fp4gemm (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and effective
     TB/s of weight bytes (codes + scales), against the device's copy bandwidth measured here; the best layout per
@@ -62,10 +62,17 @@ GEMM_MS = (1, 16, 64, 256)
 # --small: a 2-layer model of the same architecture (the dry run's sizes)
 SMALL_MODEL = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
-VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_fp4gemm", "w4a16_fp4gemmreg", "w4a4", "w4a4_fp4gemm")
+VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_int8sc", "w4a16_fp4gemm", "w4a16_fp4gemmreg", "w4a4",
+            "w4a4_fp4gemm")
 # fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
-LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "fp4gemm": "fp4_gemm", "fp4gemmreg": "fp4_gemm", "scan": "xla",
-                   "cbwhile": "xla", "nocb": "xla", "exit": "xla"}
+LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "int8sc": "xla_int8", "fp4gemm": "fp4_gemm",
+                   "fp4gemmreg": "fp4_gemm", "scan": "xla", "cbwhile": "xla", "nocb": "xla", "exit": "xla"}
+# int8sc (e.g. w4a16_int8sc): the int8 layout compiled with XLA's subchannel-dequantisation fusion, which can fuse
+# the codes' bf16 decode (NVFP4Int8Tensor.block_values) into the Triton GEMM, so no decoded bf16 weight goes
+# through HBM; an experimental XLA option (off by default), in the GEMM loops and the engine alike. Compiled for an
+# H200 on the CPU (no autotuning), XLA fuses it at some M and takes cuBLAS with a decode kernel at others; the GPU's
+# autotuner picks.
+LAYOUT_XLA_OPTIONS = {"int8sc": (("xla_gpu_experimental_enable_subchannel_dequantisation_fusion", True),)}
 # Engine-only layouts (the GEMM part has none of them): "scan" (e.g. bf16_scan) = the model with scan_layers=True
 # (same shapes, its own random init), decoding with its stacked KV cache, compiled with XLA's dynamic-slice fusion
 # (off by default: without it each step copies every layer's weights out of the stacked parameters before its
@@ -78,6 +85,7 @@ ENGINE_XLA_OPTIONS = {
                  "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),),
     "nocb": (("xla_gpu_enable_command_buffer", ""),),
     "scan": (("xla_gpu_enable_dynamic_slice_fusion", True),),
+    **LAYOUT_XLA_OPTIONS,
 }
 # "exit" (e.g. bf16_exit) = decode rounds that stop once every slot is done (EngineConfig.round_loop="early_exit"):
 # a data-dependent trip count, so XLA:GPU copies the loop condition to the host and waits for the device before
@@ -144,13 +152,14 @@ def gemm_loop(variant: str, m: int, k: int, n: int, copies: int, iters: int):
             dot = (lambda a, w: fp4_gemm.fp4_matmul(a, w.q, a_operand="registers"))
     one = jax.tree.map(lambda a: a[0], stacked)
 
-    @jax.jit
     def loop(x, stacked):
         def body(i, acc):
             w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i % copies, keepdims=False), stacked)
             return acc + dot(x, w).astype(jnp.float32)  # the whole output: no slice XLA could push into the dot
         return jax.lax.fori_loop(0, iters, body, jnp.zeros((m, n), jnp.float32))
 
+    options = dict(LAYOUT_XLA_OPTIONS.get(variant.partition("_")[2], ()))
+    loop = jax.jit(loop, **({"compiler_options": options} if options else {}))
     return (lambda: loop(x, stacked)), weight_bytes(one)
 
 

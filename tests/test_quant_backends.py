@@ -417,6 +417,19 @@ def test_xla_int8_weights_give_the_xla_results_bit_for_bit(preset):
     np.testing.assert_array_equal(np.asarray(qi.q.dequantize()), np.asarray(qx.q.dequantize()))  # -0 stored as 0
 
 
+def test_int8_codes_decode_exactly_in_bfloat16_for_every_code_and_scale():
+    """NVFP4Int8Tensor decodes in bf16 (so XLA:GPU can fuse the decode into its GEMM): every E2M1 code times every
+    finite non-negative E4M3 scale, subnormals included, gives NVFP4Tensor's float32 value exactly."""
+    codes = jnp.tile(jnp.arange(16, dtype=jnp.uint8), 127 * 1)  # 16 codes per block: block j has scale bits j
+    scale = jax.lax.bitcast_convert_type(jnp.arange(127, dtype=jnp.uint8), jnp.float8_e4m3fn)[None, :]
+    q = fmt.NVFP4Tensor(packed=fmt.pack_codes(codes)[None, :], scale=scale, amax=jnp.float32(1.0))
+    qi = fmt.NVFP4Int8Tensor.from_nvfp4(q)
+    got = qi.block_values()
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(q.block_values()))
+    assert float(jnp.abs(q.block_values()).max()) == 6 * 448 and float(jnp.abs(got[0, 16:32]).min()) == 0
+
+
 def test_xla_int8_sampler_gives_the_xla_samplers_tokens():
     from flax import nnx
 

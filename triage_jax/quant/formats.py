@@ -339,9 +339,12 @@ class NVFP4Int8Tensor:
         return nvfp4_decode_factor(self.amax)
 
     def block_values(self) -> jax.Array:
-        """(2 e2m1) * (s / 2) = e2m1 * s in float32 [..., K] (both factors and the product exact)."""
-        half = (self.decoded_scale() * jnp.float32(0.5))[..., None]
-        return (_blocks(self.codes.astype(F32), NVFP4_BLOCK) * half).reshape(self.shape)
+        """(2 e2m1) * (s / 2) = e2m1 * s [..., K] in bfloat16, exact: 2 e2m1 (-12..12) and s / 2 (an E4M3 value
+        halved, >= 2^-10) are bf16 values and their product has at most 6 significant bits. In bf16 so that XLA:GPU
+        can fuse the decode into its GEMM (its subchannel-dequantisation fusion takes a bf16 multiply of a converted
+        s8 operand by broadcast scales, not a float32 one; experiments/bench_gpu.py's w4a16_int8sc)."""
+        half = (self.decoded_scale().astype(jnp.bfloat16) * jnp.bfloat16(0.5))[..., None]
+        return (_blocks(self.codes.astype(jnp.bfloat16), NVFP4_BLOCK) * half).reshape(self.shape)
 
     def block_values_t(self) -> jax.Array:
         """block_values() transposed, [..., K, N] (the GEMM's K-major weight operand)."""
