@@ -25,12 +25,12 @@ def model():
 
 
 def run(model, *, slots, continuous=True, steps=4, n=3, prompts=PROMPTS, key=0, max_len=128, prefill_batch=8,
-        max_prompt_len=0, compact_tail=4, round_loop="auto"):
-    engine = Engine(CFG, EngineConfig(max_slots=slots, max_len=max_len, steps_per_round=steps,
+        max_prompt_len=0, compact_tail=4, round_loop="auto", kv_layout="auto", policy=None, cfg=CFG):
+    engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=max_len, steps_per_round=steps,
                                       prefill_batch=prefill_batch, continuous=continuous,
                                       max_prompt_len=max_prompt_len, compact_tail=compact_tail,
-                                      round_loop=round_loop),
-                    pad_id=PAD, model=model)
+                                      round_loop=round_loop, kv_layout=kv_layout),
+                    pad_id=PAD, model=model, policy=policy)
     return engine, engine.generate(prompts, jax.random.key(key), n=n)
 
 
@@ -77,6 +77,30 @@ def test_the_gpus_attention_form_never_changes_a_request_either(model, monkeypat
         jax.clear_caches()  # no later test may reuse a program traced with the patched form
     np.testing.assert_array_equal(as_np(ref)["tokens"], as_np(blocks)["tokens"])
     np.testing.assert_allclose(as_np(ref)["logprobs"], as_np(blocks)["logprobs"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_cache, scan", [("bf16", False), ("fp8", True)])
+def test_the_combined_kv_layout_gives_the_split_layouts_bits(model, kv_cache, scan):
+    """The GPU's KV layout (kv_layout="combined": a layer's keys and values in one buffer, one scatter per write),
+    forced on the CPU, against the CPU's (two buffers): the same tokens and log-probs bit for bit through
+    continuous batching's insertions, capacity growth and tail compaction; with an FP8 cache (its per-layer scales
+    set by the prefill) and with a scanned model's stacked cache too."""
+    from triage_jax.sampler import sampler_policy
+
+    if scan:
+        model = Qwen3(get_model_config("tiny", num_hidden_layers=2, scan_layers=True), rngs=nnx.Rngs(0))
+    policy = sampler_policy("bf16", kv_cache=kv_cache)
+    kw = dict(slots=8, compact_tail=2, max_len=256, policy=policy,
+              cfg=SamplingConfig(max_new_tokens=100, stop_ids=CFG.stop_ids))
+    split_engine, split = run(model, kv_layout="auto", **kw)
+    engine, combined = run(model, kv_layout="combined", **kw)
+    assert not split_engine.kv_combined and engine.kv_combined  # "auto" is split on a CPU
+    assert len(set(engine.capacities)) > 1 and min(engine.slot_counts) < 8  # grew, and compacted its tail
+    want = as_np(split)
+    for k, v in as_np(combined).items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    with pytest.raises(ValueError, match="kv_layout"):
+        EngineConfig(max_slots=4, max_len=64, kv_layout="joint")
 
 
 def test_tail_compaction_shrinks_the_slots_and_changes_no_request(model):

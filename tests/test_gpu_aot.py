@@ -156,7 +156,8 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     Mosaic GPU kernel, q / k / v and gate / up merged (4 per layer: qkv, o, gate_up, down; 7 unmerged). An FP8 KV
     cache adds no launch to the step: its quantization fuses into the cache writes, its values convert inside the
     attention's GEMMs, its scales, set by the prefill, are not re-derived, and each layer's scale is a buffer of its
-    own (a slice of an [L] array is copied out before a GEMM fusion reads it: two copies a layer)."""
+    own (a slice of an [L] array is copied out before a GEMM fusion reads it: two copies a layer). A layer's keys
+    and values are written by one scatter (one buffer; 2 more scatters a step store the drawn tokens and log-probs)."""
     out = _run("""
         import json
         from triage_jax.tools import gpu_aot
@@ -171,6 +172,8 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     assert fp8["launches"] == bf16["launches"] and fp8["by_kind"] == bf16["by_kind"], (fp8, bf16)
     assert bf16["command_buffers"] == 1 and bf16["outside_graphs"] == 0 and bf16["nested_loops"] == 0, bf16
     assert bf16["launches"] == bf16["by_kind"]["kCustomKernel"] > 0, bf16  # every launch a kernel of the graph
+    for step in (bf16, fp8):
+        assert step["by_name"].get("input_scatter_fusion") == 2 + 2, step["by_name"]
     assert fp4["by_kind"].get("kCustomCall") == 4 * 2, fp4
     assert fp4["nested_loops"] == 0, fp4
 

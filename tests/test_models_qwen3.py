@@ -125,8 +125,8 @@ def test_a_cache_whose_scales_are_set_skips_the_amax_with_the_same_bits(model):
     b, cb = step(model, nxt, cache.replace(scales_set=True), ones)
     assert cb.scales_set and not ca.scales_set
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for x, y in zip(jax.tree.leaves((ca.k, ca.v, ca.k_scale, ca.v_scale)),
-                    jax.tree.leaves((cb.k, cb.v, cb.k_scale, cb.v_scale))):
+    for x, y in zip(jax.tree.leaves((ca.kv, ca.k_scale, ca.v_scale)),
+                    jax.tree.leaves((cb.kv, cb.k_scale, cb.v_scale))):
         np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
     tiny = jnp.full((1, 1, 1, 4), 2e-38, jnp.float32)  # normal, but 2e-38 * 2 / 448 is subnormal: flushed
     assert float(fp8_write_scale(jnp.float32(0.0), tiny, jnp.ones((1, 1), bool), 2.0)) == 1.0

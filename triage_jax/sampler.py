@@ -217,11 +217,12 @@ def _routing_shape(model_cfg) -> tuple[int, int]:
 
 
 def _empty_slots(model_cfg, slots: int, capacity: int, st: _Static, kv_format: str, dtype,
-                 record_routing: bool = False) -> Slots:
+                 record_routing: bool = False, kv_combined: bool = True) -> Slots:
     r = st.max_new_tokens
     out_exp = (jnp.full((slots, r, *_routing_shape(model_cfg)), -1, routing_dtype(model_cfg.num_experts))
                if record_routing else None)
-    return Slots(cache=kvc.init_kv_cache(model_cfg, slots, capacity, kv_format=kv_format, dtype=dtype),
+    return Slots(cache=kvc.init_kv_cache(model_cfg, slots, capacity, kv_format=kv_format, dtype=dtype,
+                                         combined=kv_combined),
                  tok=jnp.zeros((slots,), jnp.int32), active=jnp.zeros((slots,), bool),
                  req=jnp.zeros((slots,), jnp.int32), n_gen=jnp.zeros((slots,), jnp.int32),
                  out_tok=jnp.full((slots, r), st.pad_id, jnp.int32), out_logp=jnp.zeros((slots, r), jnp.float32),
@@ -306,16 +307,32 @@ def check_xla_options(options: tuple) -> tuple:
     return tuple(pairs)
 
 
-@_program(static_argnames=("graphdef", "policy", "capacity", "kv_format", "record_routing"))
+def program_options(options: tuple, kv_format: str, kv_combined: bool) -> tuple:
+    """The XLA options the engine's programs compile with: EngineConfig.xla_options and, with a combined FP8 KV
+    cache, XLA's slice sinker off. A combined cache keeps a layer's keys and values in one buffer
+    (models/kv_cache.py); in FP8 each half enters the attention's GEMMs through a convert, and the slice sinker
+    turns the two converts of the two halves into one convert of the whole buffer, sliced after: a bf16 copy of
+    the layer's cache every decode step, which no GEMM fusion takes (the 2-layer 4B decode step: 50 launches with
+    it, 48 without, as with a bf16 cache). Elementwise ops give the same bits wherever they sit."""
+    if kv_format != "fp8" or not kv_combined:
+        return options
+    opts = dict(options)
+    passes = [p for p in str(opts.get("xla_disable_hlo_passes", "")).split(",") if p]
+    opts["xla_disable_hlo_passes"] = ",".join(passes + ["slice-sinker"] * ("slice-sinker" not in passes))
+    return tuple(opts.items())
+
+
+@_program(static_argnames=("graphdef", "policy", "capacity", "kv_format", "record_routing", "kv_combined"))
 def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *, policy, capacity, kv_format,
-             record_routing=False):
+             record_routing=False, kv_combined=True):
     """Right-padded prompts [PB, Pb] into a fresh cache of `capacity` slots (a multiple of 64, >= Pb; the
     engine's FP8 scales, if set): their KV, the
     scaled logits after each prompt's last token and, when recording routing, the prompt tokens' expert ids
     [PB, Pb, L_moe, k] (compact, -1 on pads; else None)."""
     model = nnx.merge(_graph(graphdef), state)
     pb = ids_pb.shape[0]
-    cache = kvc.init_kv_cache(model.cfg, pb, capacity, kv_format=kv_format, dtype=jnp.dtype(model.cfg.dtype))
+    cache = kvc.init_kv_cache(model.cfg, pb, capacity, kv_format=kv_format, dtype=jnp.dtype(model.cfg.dtype),
+                              combined=kv_combined)
     cache = cache.replace(k_scale=k_scale, v_scale=v_scale)
     h_btd, cache, *aux = model(ids_pb, attention_mask_bt=mask_pb, policy=policy, cache=cache, return_hidden=True,
                                return_aux=record_routing)
@@ -426,6 +443,13 @@ def _harvest(slots: Slots, slot_k):
 
 
 ROUND_LOOPS = ("auto", "fixed", "early_exit")  # EngineConfig.round_loop
+KV_LAYOUTS = ("auto", "combined", "split")  # EngineConfig.kv_layout
+
+
+def combined_kv(kv_layout: str, platform: str) -> bool:
+    """Whether the engine's KV cache keeps a layer's keys and values in one buffer (EngineConfig.kv_layout) on
+    devices of `platform`."""
+    return kv_layout == "combined" or (kv_layout == "auto" and kvc.combined_default(platform))
 
 
 def fixed_round_loop(round_loop: str, platform: str) -> bool:
@@ -472,6 +496,11 @@ class EngineConfig:
     # "auto": fixed on GPUs, early_exit elsewhere (XLA:CPU evaluates the condition in place; TPUs on device).
     # Tokens and log-probs are the same bits either way.
     round_loop: str = "auto"
+    # The KV cache's layout (KV_LAYOUTS, models/kv_cache.py): "combined" keeps a layer's keys and values in one
+    # buffer, written by one scatter (one kernel a layer less per decode step on a GPU); "split" in two (XLA:CPU
+    # copies each half of a combined buffer out before its dot: the whole cache every step). "auto": combined
+    # off the CPU. The same tokens and log-probs either way.
+    kv_layout: str = "auto"
 
     def __post_init__(self):
         for name in ("max_slots", "max_len", "steps_per_round", "prefill_batch"):
@@ -483,6 +512,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_prompt_len must be >= 0 (0: not known), got {self.max_prompt_len}")
         if self.round_loop not in ROUND_LOOPS:
             raise ValueError(f"EngineConfig.round_loop must be one of {ROUND_LOOPS}, got {self.round_loop!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"EngineConfig.kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         object.__setattr__(self, "xla_options", check_xla_options(tuple(self.xla_options)))
 
 
@@ -515,6 +546,9 @@ class Engine:
         self.record_routing = bool(record_routing)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         self.fixed_rounds = fixed_round_loop(config.round_loop, platform)  # the decode round's loop, resolved
+        self.kv_combined = combined_kv(config.kv_layout, platform)  # and the KV cache's layout
+        # What its programs compile with.
+        self.xla_options = program_options(config.xla_options, self.policy.kv_cache, self.kv_combined)
         self.rounds = 0  # decode rounds run by the last generate (steps <= rounds * steps_per_round)
         self.capacities: list[int] = []  # the cache capacity of each of those rounds
         self.slot_counts: list[int] = []  # and its number of slots (smaller once the tail is compacted)
@@ -568,9 +602,9 @@ class Engine:
         return slots if self.mesh is None else jax.device_put(slots, self.slot_shardings(slots))
 
     def slot_shardings(self, slots: Slots) -> Slots:
-        """Where the slot arrays live on the mesh: split over the batch shards, the KV buffers [slots, KV heads,
-        capacity, head dim] also by heads like the k / v projections that fill them; the per-layer FP8 scales
-        replicated. (Concrete or abstract slots; the dry-run compiles with these.)"""
+        """Where the slot arrays live on the mesh: split over the batch shards, the KV buffers [2 (keys, values),
+        slots, KV heads, capacity, head dim] also by heads like the k / v projections that fill them; the per-layer
+        FP8 scales replicated. (Concrete or abstract slots; the dry-run compiles with these.)"""
         from triage_jax import sharding as shd
 
         s = slots.tok.shape[0]
@@ -578,12 +612,9 @@ class Engine:
                            else shd.replicated(self.mesh), slots)
         rep = jax.tree.map(lambda _: shd.replicated(self.mesh), slots.cache.k_scale)  # [L] may equal the slots
         out = out.replace(cache=out.cache.replace(k_scale=rep, v_scale=rep))
-        names = (BATCH, HEADS, LENGTH, KV)
-        if slots.cache.stacked:
-            kv = NamedSharding(self.mesh, shd.logical_to_mesh((None, *names), self.rules, self.mesh))
-            return out.replace(cache=out.cache.replace(k=kv, v=kv))
+        names = (None,) * slots.cache.combined + (None,) * slots.cache.stacked + (BATCH, HEADS, LENGTH, KV)
         kv = NamedSharding(self.mesh, shd.logical_to_mesh(names, self.rules, self.mesh))
-        return out.replace(cache=out.cache.replace(k=tuple(kv for _ in out.cache.k), v=tuple(kv for _ in out.cache.v)))
+        return out.replace(cache=out.cache.replace(kv=jax.tree.map(lambda _: kv, slots.cache.kv)))
 
     def state_shardings(self, state):
         """Where the (prepared) weights live on the mesh: `sharding.sampler_state_shardings` by the engine's rules."""
@@ -644,7 +675,7 @@ class Engine:
         were compiled before. They mirror `_generate`'s scheduling; where they do not match a call (other prompt
         batches of the first admission, later capacities) that call compiles as before."""
         c, st, s, pb = self.config, self.st, self.config.max_slots, self.prefill_batch
-        opts, kv_format = c.xla_options, self.policy.kv_cache
+        opts, kv_format = self.xla_options, self.policy.kv_cache
         lens = np.array([len(p) for p in prompts], np.int64)
         temperature, top_p, stop_s = _hyper(self.cfg)
         slots_at = functools.partial(self._abstract_slots, s)
@@ -654,7 +685,8 @@ class Engine:
         cap_pre = -(-p // kvc.BLOCK) * kvc.BLOCK
         scales = slots_at(cap0).cache.k_scale  # the engine's (placed) FP8 scales
         prefill = _prefill.with_options(opts)
-        pre_kw = dict(policy=self.policy, capacity=cap_pre, kv_format=kv_format, record_routing=self.record_routing)
+        pre_kw = dict(policy=self.policy, capacity=cap_pre, kv_format=kv_format, record_routing=self.record_routing,
+                      kv_combined=self.kv_combined)
 
         def pre_args():
             # Host-built inputs as the calls build them (jnp.asarray inside the engine's context: on a mesh their
@@ -753,11 +785,12 @@ class Engine:
         with self._context():
             thunk()
 
-    def _abstract_slots(self, count: int, capacity: int) -> Slots:
+    def _abstract_slots(self, count: int, capacity: int, kv_combined: bool | None = None) -> Slots:
         """The engine's slots (`count` of them, KV capacity `capacity`) as abstract values laid out as `_place`
-        lays them out."""
+        lays them out (`kv_combined`: the KV layout, default the engine's)."""
+        combined = self.kv_combined if kv_combined is None else kv_combined
         empty = jax.eval_shape(lambda: _empty_slots(self.model_cfg, count, capacity, self.st, self.policy.kv_cache,
-                                                    jnp.dtype(self.model_cfg.dtype), self.record_routing))
+                                                    jnp.dtype(self.model_cfg.dtype), self.record_routing, combined))
         return _abstract(empty, self.slot_shardings(empty) if self.mesh is not None else None)
 
     def compile_decode(self, count: int, capacity: int, key, device=None, compiler_options=None):
@@ -769,14 +802,17 @@ class Engine:
         key_a = jax.ShapeDtypeStruct(jnp.shape(key), key.dtype)
         temperature, top_p, stop_s = _hyper(self.cfg)
         args = (self.state, self._abstract_slots(count, capacity), key_a, temperature, top_p, stop_s)
-        fixed = self.fixed_rounds
+        fixed, options = self.fixed_rounds, self.xla_options
         if device is not None:
             if self.mesh is not None:
                 raise ValueError("compile_decode(device=...) compiles for one device; this engine has a mesh")
+            combined = combined_kv(self.config.kv_layout, device.platform)
+            options = program_options(self.config.xla_options, self.policy.kv_cache, combined)
+            args = (self.state, self._abstract_slots(count, capacity, combined), *args[2:])
             args = _abstract(args, jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), args))
             fixed = fixed_round_loop(self.config.round_loop, device.platform)
         with self._context():
-            return _decode_round.with_options(self.config.xla_options).lower(
+            return _decode_round.with_options(options).lower(
                 self._graph, *args, policy=self.policy, st=self.st, steps=self.config.steps_per_round,
                 fixed=fixed).compile(compiler_options)
 
@@ -790,7 +826,8 @@ class Engine:
         if c.parallel_compile:
             self._compile_first_round(prompts, key, n)
         cap = self._capacity(int(lens.max()) + 1)
-        slots = self._place(_empty_slots(self.model_cfg, s, cap, st, kv_format, dtype, self.record_routing))
+        slots = self._place(_empty_slots(self.model_cfg, s, cap, st, kv_format, dtype, self.record_routing,
+                                         self.kv_combined))
         out_tok = np.full((num, r), self.pad_id, np.int32)
         out_logp = np.zeros((num, r), np.float32)
         out_len = np.zeros(num, np.int32)
@@ -836,7 +873,7 @@ class Engine:
                     req_m = np.zeros(m_bucket, np.int32)
                     for m, (slot, row, req) in enumerate(items):
                         slot_m[m], row_m[m], req_m[m] = slot, row, req
-                    slots = _insert.with_options(c.xla_options)(
+                    slots = _insert.with_options(self.xla_options)(
                         slots, pre[0], pre[1], jnp.asarray(slot_m), jnp.asarray(row_m), jnp.asarray(req_m), key,
                         top_p, stop_s, st=st)
             # Capacity for this round: the longest held sequence plus the round's tokens.
@@ -847,7 +884,7 @@ class Engine:
                 slots = _resize(slots, capacity=max(cap, self._capacity(int(host_len[occupied].max()) + 1)))
             if r > 1:  # (one-token responses all ended at the insert's draw: nothing to decode)
                 self._wait_ahead(slots.tok.shape[0], slots.cache.max_len, key)
-                slots = _decode_round.with_options(c.xla_options)(
+                slots = _decode_round.with_options(self.xla_options)(
                     self._graph, self.state, slots, key, temperature, top_p, stop_s, policy=self.policy, st=st,
                     steps=c.steps_per_round, fixed=self.fixed_rounds)
                 if c.compile_ahead:
@@ -876,7 +913,7 @@ class Engine:
             if c.continuous and not waiting and not pending:
                 slots, owner, host_len = self._compacted(slots, owner, host_len)
                 free = [j for j in range(slots.tok.shape[0]) if j not in owner]
-        first_kv = jax.tree.leaves(slots.cache.k)[0]
+        first_kv = jax.tree.leaves(slots.cache.kv)[0]
         self.last_slot_devices = first_kv.devices()
         self.last_kv_sharding = first_kv.sharding  # after the last round: split by slots (and heads)
         mask = np.arange(r)[None, :] < out_len[:, None]
@@ -912,10 +949,10 @@ class Engine:
             mask[row, :len(prompts[i])] = True
         temperature, _, _ = _hyper(self.cfg)
         self.prefills += 1
-        return _prefill.with_options(self.config.xla_options)(
+        return _prefill.with_options(self.xla_options)(
             self._graph, self.state, jnp.asarray(ids), jnp.asarray(mask), slots.cache.k_scale, slots.cache.v_scale,
             temperature, policy=self.policy, capacity=capacity, kv_format=self.policy.kv_cache,
-            record_routing=self.record_routing)
+            record_routing=self.record_routing, kv_combined=self.kv_combined)
 
 
 def _lay_out_routing(prompts, n: int, prompt_pre: dict, out_exp: list, mask_nr: np.ndarray, p: int) -> np.ndarray:

@@ -2,12 +2,17 @@
 
 Layout: heads come before slots, the layout the attention contractions read directly (on the CPU a free reshape
 into 64-slot blocks, 'bkqh,bknch->bknqc' and 'bknqc,bkncd->bknqd'; elsewhere 'bkqh,bksh->bkqs'): no per-step
-transpose of the cache. The layers' buffers are
-either a tuple of L arrays (unrolled models: each layer updates its own buffer in place, and reads it without a
-copy) or one stacked [L, B, KVH, S, Dh] array (`stacked=True`, the default for scan_layers models: the scan
-carries it, writes each layer's new tokens into it in place and reads layer i as a dynamic slice; a tuple would
-have to be stacked and unstacked around the scan, two copies of the whole cache per step). Both forms hold the
-same values and work with either model; `map_layers` applies a per-layer function to either.
+transpose of the cache.
+
+A layer's keys and values are either one [2, B, KVH, S, Dh] buffer (`combined`, the layout off the CPU: a step
+writes both with one scatter, and XLA:GPU runs each scatter as a kernel of its own, so one launch a layer less per
+decode step; the attention's GEMMs read the two leading slices without a copy) or two buffers (`combined=False`,
+the CPU's layout: XLA:CPU copies each slice of a combined buffer out before its dot, the whole cache every step).
+The layers are either a tuple (unrolled models: each layer updates its own buffers in place, and reads them
+without a copy) or stacked along a leading L (`stacked=True`, the default for scan_layers models: the scan carries
+the stack, writes each layer's new tokens into it in place and reads layer i as a dynamic slice; a tuple would
+have to be stacked and unstacked around the scan, two copies of the whole cache per step). Every form holds the
+same values and works with either model; `map_layers` applies a per-buffer function to any.
 
 Rows hold their tokens at slots [0, lengths[b]); new tokens go to slots lengths[b] + t (a scatter, so every row
 can sit at its own position: the rollout engine's slots). Bad or pad tokens of a write (mask 0) must come after
@@ -41,59 +46,63 @@ BLOCK = 64  # cache capacity granule: attention reduces over fixed 64-slot block
 
 @struct.dataclass
 class KVCache:
-    """k, v: per-layer tuples of [B, KVH, S, Dh] or stacked [L, B, KVH, S, Dh] arrays; k_scale, v_scale: float32
-    scales (1.0 unless fp8), as the buffers are: per-layer tuples of scalars or stacked [L] arrays (a layer's
-    scale a buffer of its own, not a slice: XLA:GPU copies a slice of an [L] array out before a GEMM fusion reads
-    it, two copies a layer per decode step); lengths: [B]."""
+    """kv: the keys and values. `combined`: a per-layer tuple of [2, B, KVH, S, Dh] arrays (keys at 0, values at 1)
+    or one stacked [L, 2, B, KVH, S, Dh] array; else a per-layer tuple of (keys, values) pairs of [B, KVH, S, Dh]
+    or one stacked (keys, values) pair of [L, B, KVH, S, Dh]. k_scale, v_scale: float32 scales (1.0 unless fp8),
+    as the layers are: per-layer tuples of scalars or stacked [L] arrays (a layer's scale a buffer of its own, not
+    a slice: XLA:GPU copies a slice of an [L] array out before a GEMM fusion reads it, two copies a layer per
+    decode step); lengths: [B]."""
 
-    k: tuple[jax.Array, ...] | jax.Array
-    v: tuple[jax.Array, ...] | jax.Array
+    kv: tuple | jax.Array
     k_scale: jax.Array
     v_scale: jax.Array
     lengths: jax.Array  # int32 [B]: tokens each row holds (at slots [0, lengths))
     fp8_headroom: float = struct.field(pytree_node=False, default=2.0)
     scales_set: bool = struct.field(pytree_node=False, default=False)  # static: every layer's FP8 scale is > 0
+    combined: bool = struct.field(pytree_node=False, default=True)  # static: one buffer a layer (see kv)
 
     @property
     def stacked(self) -> bool:
-        return not isinstance(self.k, tuple)
+        return not isinstance(self.kv if self.combined else self.kv[0], tuple)
 
     @property
     def is_fp8(self) -> bool:
-        return self.k.dtype == FP8 if self.stacked else self.k[0].dtype == FP8
+        return jax.tree.leaves(self.kv)[0].dtype == FP8
 
     @property
     def max_len(self) -> int:
-        return jax.tree.leaves(self.k)[0].shape[-2]
+        return jax.tree.leaves(self.kv)[0].shape[-2]
 
     @property
     def batch(self) -> int:
-        return jax.tree.leaves(self.k)[0].shape[-4]
+        return jax.tree.leaves(self.kv)[0].shape[-4]
 
     @property
     def num_layers(self) -> int:
-        return len(self.k)
+        return len(self.kv) if self.combined or not self.stacked else len(self.kv[0])
 
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """Layer i's (keys, values) buffers [B, KVH, S, Dh]; i may be traced when the cache is stacked."""
-        if self.stacked:
-            return (jax.lax.dynamic_index_in_dim(self.k, i, keepdims=False),
-                    jax.lax.dynamic_index_in_dim(self.v, i, keepdims=False))
-        return self.k[i], self.v[i]
+        if not self.stacked:
+            kv = self.kv[i]
+        elif self.combined:
+            kv = jax.lax.dynamic_index_in_dim(self.kv, i, keepdims=False)
+        else:
+            kv = tuple(jax.lax.dynamic_index_in_dim(b, i, keepdims=False) for b in self.kv)
+        return kv[0], kv[1]
 
     def write(self, i, k_btkh: jax.Array, v_btkh: jax.Array, mask_bt: jax.Array, slot_bt: jax.Array) -> KVCache:
         """The cache with layer i's T new keys and values at slots slot_bt[b, t] of row b (see `write_slots`); i may
         be traced when the cache is stacked (a scatter into the stacked buffer: no copy of the layer)."""
-        ks, vs = self.k_scale[i], self.v_scale[i]
         kw = dict(headroom=self.fp8_headroom, scale_set=self.scales_set)
         if self.stacked:
-            k, ks = write_slots(self.k, ks, k_btkh, mask_bt, slot_bt, layer=i, **kw)
-            v, vs = write_slots(self.v, vs, v_btkh, mask_bt, slot_bt, layer=i, **kw)
+            kv, ks, vs = write_slots(self.kv, self.k_scale[i], self.v_scale[i], k_btkh, v_btkh, mask_bt, slot_bt,
+                                     layer=i, **kw)
         else:
-            kb, ks = write_slots(self.k[i], ks, k_btkh, mask_bt, slot_bt, **kw)
-            vb, vs = write_slots(self.v[i], vs, v_btkh, mask_bt, slot_bt, **kw)
-            k, v = self.k[:i] + (kb,) + self.k[i + 1:], self.v[:i] + (vb,) + self.v[i + 1:]
-        out = self.replace(k=k, v=v)
+            kv_l, ks, vs = write_slots(self.kv[i], self.k_scale[i], self.v_scale[i], k_btkh, v_btkh, mask_bt,
+                                       slot_bt, **kw)
+            kv = self.kv[:i] + (kv_l,) + self.kv[i + 1:]
+        out = self.replace(kv=kv)
         if not self.is_fp8 or self.scales_set:  # only FP8 sets a scale (at the first write); storing the others'
             return out  # 1.0 again would cost the decode step two small kernels a layer
         if isinstance(self.k_scale, tuple):
@@ -106,9 +115,11 @@ class KVCache:
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str = "bf16", dtype=None,
-                  fp8_scale: float | None = None, fp8_headroom: float = 2.0, stacked: bool | None = None) -> KVCache:
+                  fp8_scale: float | None = None, fp8_headroom: float = 2.0, stacked: bool | None = None,
+                  combined: bool | None = None) -> KVCache:
     """An empty cache. kv_format "bf16" stores `dtype` (default bfloat16; "f32" or dtype=float32 for exact tests);
-    stacked (default: cfg.scan_layers) stores the layers as one [L, ...] array."""
+    stacked (default: cfg.scan_layers) stores the layers along a leading L; combined (default: off on a CPU
+    process, see `combined_default`) stores a layer's keys and values in one buffer."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"init_kv_cache: kv_format={kv_format!r}; expected one of {KV_FORMATS}")
     if batch <= 0 or max_len <= 0:
@@ -121,39 +132,50 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str 
     else:
         store = jnp.dtype(dtype) if dtype is not None else (F32 if kv_format == "f32" else jnp.bfloat16)
         scale0 = 1.0
-    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    combined = combined_default() if combined is None else bool(combined)
+    shape = (2,) * combined + (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     layers = cfg.num_hidden_layers
     if cfg.scan_layers if stacked is None else stacked:
-        k, v = (jnp.zeros((layers, *shape), store) for _ in "kv")  # two buffers (the engine donates both)
+        kv = jnp.zeros((layers, *shape), store) if combined else tuple(jnp.zeros((layers, *shape), store)
+                                                                       for _ in "kv")
         scales = jnp.full((layers,), scale0, F32)
     else:
-        k, v = (tuple(jnp.zeros(shape, store) for _ in range(layers)) for _ in "kv")
+        kv = tuple(jnp.zeros(shape, store) if combined else (jnp.zeros(shape, store), jnp.zeros(shape, store))
+                   for _ in range(layers))
         scales = tuple(jnp.full((), scale0, F32) for _ in range(layers))
-    return KVCache(k=k, v=v, k_scale=scales, v_scale=scales, lengths=jnp.zeros((batch,), jnp.int32),
-                   fp8_headroom=float(fp8_headroom))
+    return KVCache(kv=kv, k_scale=scales, v_scale=scales, lengths=jnp.zeros((batch,), jnp.int32),
+                   fp8_headroom=float(fp8_headroom), combined=combined)
+
+
+def combined_default(platform: str | None = None) -> bool:
+    """Whether a cache for devices of `platform` (default: this process's default backend) stores a layer's keys
+    and values in one buffer: everywhere but on a CPU (module docstring)."""
+    return (platform or jax.default_backend()) != "cpu"
 
 
 def map_layers(fn, cache: KVCache, *others: KVCache) -> KVCache:
-    """`cache` with each layer's key and value buffers replaced by fn(buffer, the other caches' same buffers...),
-    fn written for one layer's [B, KVH, S, Dh] (vmapped over a stacked cache's layers)."""
-    if cache.stacked:
-        f = jax.vmap(fn)
-        return cache.replace(k=f(cache.k, *(o.k for o in others)), v=f(cache.v, *(o.v for o in others)))
-    return cache.replace(k=tuple(map(fn, cache.k, *(o.k for o in others))),
-                         v=tuple(map(fn, cache.v, *(o.v for o in others))))
+    """`cache` with each key and value buffer replaced by fn(buffer, the other caches' same buffers...), fn written
+    for one [B, KVH, S, Dh] buffer (vmapped over a combined buffer's keys / values and a stack's layers); the other
+    caches have this one's layout."""
+    f = jax.vmap(fn) if cache.combined else fn
+    f = jax.vmap(f) if cache.stacked else f
+    return cache.replace(kv=jax.tree.map(f, cache.kv, *(o.kv for o in others)))
 
 
 def stack(cache: KVCache) -> KVCache:
     """The same cache in the stacked form (a copy unless it is stacked already)."""
-    return cache if cache.stacked else cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v),
-                                                     k_scale=jnp.stack(cache.k_scale), v_scale=jnp.stack(cache.v_scale))
+    if cache.stacked:
+        return cache
+    kv = jnp.stack(cache.kv) if cache.combined else tuple(jnp.stack(b) for b in zip(*cache.kv))
+    return cache.replace(kv=kv, k_scale=jnp.stack(cache.k_scale), v_scale=jnp.stack(cache.v_scale))
 
 
 def unstack(cache: KVCache) -> KVCache:
     """The same cache as a tuple of per-layer buffers (a copy unless it is one already)."""
     if not cache.stacked:
         return cache
-    return cache.replace(k=tuple(cache.k), v=tuple(cache.v), k_scale=tuple(cache.k_scale), v_scale=tuple(cache.v_scale))
+    kv = tuple(cache.kv) if cache.combined else tuple(zip(*(tuple(b) for b in cache.kv)))
+    return cache.replace(kv=kv, k_scale=tuple(cache.k_scale), v_scale=tuple(cache.v_scale))
 
 
 def fp8_write_scale(current: jax.Array, x_btkh: jax.Array, mask_bt: jax.Array, headroom: float) -> jax.Array:
@@ -170,27 +192,34 @@ def quantize_fp8_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.clip(ieee.div(x.astype(F32), scale), -FP8_MAX, FP8_MAX).astype(FP8)  # IEEE division (quant/ieee.py)
 
 
-def write_slots(buf_bksh: jax.Array, scale: jax.Array, new_btkh: jax.Array, mask_bt: jax.Array,
-                slot_bt: jax.Array, headroom: float, layer=None,
-                scale_set: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Write the T new keys (or values) of one layer to slots slot_bt[b, t] of row b; returns (buffer, scale).
-    With `layer` (an int or a traced scalar), buf is a stacked [L, B, KVH, S, Dh] buffer and the write goes to
-    that layer. `scale_set` (static): an FP8 scale is known to be set (> 0), so it is used as it is.
+def write_slots(kv, k_scale: jax.Array, v_scale: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
+                mask_bt: jax.Array, slot_bt: jax.Array, headroom: float, layer=None,
+                scale_set: bool = False) -> tuple:
+    """Write the T new keys and values of one layer to slots slot_bt[b, t] of row b; returns (kv, k_scale,
+    v_scale). kv: one [2, B, KVH, S, Dh] buffer (both written by one scatter) or a (keys, values) pair of
+    [B, KVH, S, Dh]; with `layer` (an int or a traced scalar) a stack of them along a leading L, written at that
+    layer. `scale_set` (static): the FP8 scales are known to be set (> 0), so they are used as they are.
 
     Pad tokens (mask 0) are written too (harmless: they sit at or past the row's new length, which they do not
     advance); a slot past the capacity is dropped.
     """
-    if buf_bksh.dtype == FP8:
+    buf = jax.tree.leaves(kv)[0]
+    if buf.dtype == FP8:
         if not scale_set:
-            scale = fp8_write_scale(scale, new_btkh, mask_bt, headroom)
-        stored = quantize_fp8_kv(new_btkh, scale)
+            k_scale = fp8_write_scale(k_scale, k_btkh, mask_bt, headroom)
+            v_scale = fp8_write_scale(v_scale, v_btkh, mask_bt, headroom)
+        k_st, v_st = quantize_fp8_kv(k_btkh, k_scale), quantize_fp8_kv(v_btkh, v_scale)
     else:
-        stored = new_btkh.astype(buf_bksh.dtype)
-    rows_b1 = jnp.arange(buf_bksh.shape[-4], dtype=jnp.int32)[:, None]
-    # Advanced indices (rows, slots) around the head slice: the update is indexed [B, T, KVH, Dh], as new_btkh is
-    # (a layer index in front is one more advanced index, broadcast: the same update shape).
-    index = (rows_b1, slice(None), slot_bt) if layer is None else (layer, rows_b1, slice(None), slot_bt)
-    return scatter_set(buf_bksh, index, stored), scale
+        k_st, v_st = k_btkh.astype(buf.dtype), v_btkh.astype(buf.dtype)
+    rows_b1 = jnp.arange(buf.shape[-4], dtype=jnp.int32)[:, None]
+    # Advanced indices (rows, slots) around the head slice: the update is indexed [B, T, KVH, Dh], as k_btkh is (the
+    # broadcast advanced dimensions first, then the sliced ones); a combined buffer's keys / values axis is one more
+    # slice ([B, T, 2, KVH, Dh]) and a layer index in front one more advanced index (the same update shape).
+    lead = () if layer is None else (layer,)
+    index = (rows_b1, slice(None), slot_bt)
+    if isinstance(kv, tuple):
+        return (scatter_set(kv[0], (*lead, *index), k_st), scatter_set(kv[1], (*lead, *index), v_st)), k_scale, v_scale
+    return scatter_set(kv, (*lead, slice(None), *index), jnp.stack([k_st, v_st], axis=2)), k_scale, v_scale
 
 
 def scatter_set(buf: jax.Array, index, values: jax.Array) -> jax.Array:
@@ -218,7 +247,7 @@ def resize(cache: KVCache, max_len: int) -> KVCache:
     """The same cache with capacity `max_len` (zero-padded or cut; every row must fit: lengths <= max_len)."""
     s = cache.max_len
 
-    def fit(x):
+    def fit(x):  # one [B, KVH, S, Dh] buffer
         if max_len >= s:
             return jnp.pad(x, ((0, 0), (0, 0), (0, max_len - s), (0, 0)))
         return x[:, :, :max_len]

@@ -197,14 +197,15 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
                          engine.state_shardings(state))
     dtype = jnp.dtype(model_cfg.dtype)
     cache_len = -(-cache_len // smp.MIN_BUCKET) * smp.MIN_BUCKET  # the engine's largest capacity bucket
-    abstract_slots = jax.eval_shape(lambda: smp._empty_slots(model_cfg, slots, cache_len, st, policy.kv_cache, dtype))
+    abstract_slots = jax.eval_shape(lambda: smp._empty_slots(model_cfg, slots, cache_len, st, policy.kv_cache, dtype,
+                                                     kv_combined=engine.kv_combined))
     abstract_slots = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_slots,
                                   engine.slot_shardings(abstract_slots))
     f32, i32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     stop = jax.ShapeDtypeStruct((1,), jnp.int32)
     t0 = time.perf_counter()
-    opts = engine.config.xla_options
+    opts = engine.xla_options
     with engine._context():
         decode = smp._decode_round.with_options(opts).lower(graphdef, state, abstract_slots, key, f32, f32, stop,
                                                             policy=policy, st=st,
