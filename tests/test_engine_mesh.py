@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
 
     mesh_shape, slots, precision = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    scan = sys.argv[5] == "scan"
+    scan, kv_layout = sys.argv[5] == "scan", sys.argv[6]
     model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2, num_key_value_heads=int(sys.argv[4]),
                                                  scan_layers=scan), rngs=nnx.Rngs(0))
     policy = None if precision == "none" else sampler.sampler_policy(precision)
@@ -35,8 +35,8 @@ SCRIPT = textwrap.dedent("""
         model = sampler.prepare_model(model, policy, mesh=mesh)
     cfg = SamplingConfig(max_new_tokens=24, stop_ids=(7, 11, 19))
     try:
-        engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=128, steps_per_round=4), model=model, mesh=mesh,
-                        policy=policy)
+        engine = Engine(cfg, EngineConfig(max_slots=slots, max_len=128, steps_per_round=4, kv_layout=kv_layout),
+                        model=model, mesh=mesh, policy=policy)
     except ValueError as e:
         print("ERROR", e)
         sys.exit(0)
@@ -50,7 +50,8 @@ SCRIPT = textwrap.dedent("""
 
     attn = engine.state["layers"]["attn"] if scan else engine.state["layers"][0]["attn"]
     kv = engine.last_kv_sharding
-    kv_shape = ((2,) if scan else ()) + (slots, int(sys.argv[4]), 64, 64)  # a stacked cache: [layers, ...]
+    # A stacked cache: [layers, ...]; a combined one: [2 (keys, values), ...].
+    kv_shape = ((2,) if scan else ()) + ((2,) if engine.kv_combined else ()) + (slots, int(sys.argv[4]), 64, 64)
     print("RESULT", json.dumps({
         "tokens": np.asarray(out.tokens).tolist(), "logp": np.asarray(out.logprobs).tolist(),
         "devices": len(jax.devices()), "slot_devices": len(shards),
@@ -61,10 +62,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(mesh: dict, slots: int, devices: int, precision: str = "none", kv_heads: int = 2, scan: bool = False) -> dict:
+def _run(mesh: dict, slots: int, devices: int, precision: str = "none", kv_heads: int = 2, scan: bool = False,
+         kv_layout: str = "auto") -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(mesh), str(slots), precision, str(kv_heads),
-                          "scan" if scan else "loop"],
+                          "scan" if scan else "loop", kv_layout],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith(("RESULT ", "ERROR ")))
@@ -109,6 +111,19 @@ def test_tensor_parallel_decode_equals_one_device():
     (v, d), shard = tp["embed"]
     assert shard == [v // 2, d]
     assert tp["kv_shard"] == [16 // 4, 1, 64, 64]  # 4 slots and 1 of the 2 KV heads per device
+    np.testing.assert_array_equal(np.asarray(one["tokens"]), np.asarray(tp["tokens"]))
+    np.testing.assert_allclose(np.asarray(one["logp"], np.float32), np.asarray(tp["logp"], np.float32),
+                               rtol=0, atol=4e-6)
+
+
+@pytest.mark.slow  # a subprocess of compiles on 8 devices (~40 s on 2 cores) beside the 1-device run
+def test_the_gpus_combined_kv_layout_on_a_tensor_parallel_mesh_equals_one_device():
+    """The KV layout a GPU engine runs (kv_layout="combined", forced on the CPU: a layer's keys and values in one
+    [2, slots, KV heads, S, Dh] buffer) on a data=4 x tensor=2 mesh: split by slots and KV heads, never across
+    keys / values, and every request gets the 1-device run's tokens (the CPU's two buffers)."""
+    one = _run({"data": 1}, 4, 1)
+    tp = _run({"data": 4, "tensor": 2}, 16, 8, kv_layout="combined")
+    assert tp["kv_shard"] == [2, 16 // 4, 1, 64, 64]
     np.testing.assert_array_equal(np.asarray(one["tokens"]), np.asarray(tp["tokens"]))
     np.testing.assert_allclose(np.asarray(one["logp"], np.float32), np.asarray(tp["logp"], np.float32),
                                rtol=0, atol=4e-6)
