@@ -94,6 +94,13 @@ class MergedLinear(nnx.Module):
         self.kernel = QuantizedKernel(kernel)
 
     def __call__(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> tuple[jax.Array, ...]:
+        y = self.flat(x, policy)
+        lead = y.shape[:-1]
+        ends = list(itertools.accumulate(math.prod(o) for o in self.out_dims))
+        return tuple(y[..., e - math.prod(o):e].reshape(*lead, *o) for e, o in zip(ends, self.out_dims))
+
+    def flat(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
+        """The parts' outputs side by side, [..., N_q + N_k + ...] (each part's flattened)."""
         policy = policy_or_default(policy)
         precs = {policy.for_layer(p) for p in self.paths}
         if len(precs) != 1 or policy.exact:
@@ -104,10 +111,8 @@ class MergedLinear(nnx.Module):
         if x.shape[x.ndim - n_in:] != self.in_dims:
             raise ValueError(f"{'+'.join(self.paths)}: input {x.shape} does not end in {self.in_dims}")
         lead = x.shape[: x.ndim - n_in]
-        y = qdot(x.reshape(*lead, math.prod(self.in_dims)), self.kernel.get_value(), precs.pop(),
-                 backend=policy.backend, name="+".join(self.paths))
-        ends = list(itertools.accumulate(math.prod(o) for o in self.out_dims))
-        return tuple(y[..., e - math.prod(o):e].reshape(*lead, *o) for e, o in zip(ends, self.out_dims))
+        return qdot(x.reshape(*lead, math.prod(self.in_dims)), self.kernel.get_value(), precs.pop(),
+                    backend=policy.backend, name="+".join(self.paths))
 
 
 class RMSNorm(nnx.Module):
@@ -117,15 +122,16 @@ class RMSNorm(nnx.Module):
         self.eps, self.dtype = eps, dtype
         self.weight = make_param(None, (dim,), names, param_dtype, init="ones")
 
-    def __call__(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
-        in_dtype = x.dtype
+    def normalize(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
+        """x normalized over its last axis, in x's dtype, before the weight."""
         if policy is not None and policy.exact:
-            y = invariant.rms_norm(x, self.eps).astype(in_dtype)
-        else:
-            x32 = x.astype(F32)
-            var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-            y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(in_dtype)
-        return self.weight[...].astype(in_dtype) * y
+            return invariant.rms_norm(x, self.eps).astype(x.dtype)
+        x32 = x.astype(F32)
+        var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        return (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+
+    def __call__(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> jax.Array:
+        return self.weight[...].astype(x.dtype) * self.normalize(x, policy)
 
 
 class Embed(nnx.Module):
