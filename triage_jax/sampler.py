@@ -217,7 +217,7 @@ def _routing_shape(model_cfg) -> tuple[int, int]:
 
 
 def _empty_slots(model_cfg, slots: int, capacity: int, st: _Static, kv_format: str, dtype,
-                 record_routing: bool = False, kv_combined: bool = True) -> Slots:
+                 record_routing: bool = False, *, kv_combined: bool) -> Slots:
     r = st.max_new_tokens
     out_exp = (jnp.full((slots, r, *_routing_shape(model_cfg)), -1, routing_dtype(model_cfg.num_experts))
                if record_routing else None)
@@ -324,7 +324,7 @@ def program_options(options: tuple, kv_format: str, kv_combined: bool) -> tuple:
 
 @_program(static_argnames=("graphdef", "policy", "capacity", "kv_format", "record_routing", "kv_combined"))
 def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *, policy, capacity, kv_format,
-             record_routing=False, kv_combined=True):
+             kv_combined, record_routing=False):
     """Right-padded prompts [PB, Pb] into a fresh cache of `capacity` slots (a multiple of 64, >= Pb; the
     engine's FP8 scales, if set): their KV, the
     scaled logits after each prompt's last token and, when recording routing, the prompt tokens' expert ids
@@ -790,7 +790,8 @@ class Engine:
         lays them out (`kv_combined`: the KV layout, default the engine's)."""
         combined = self.kv_combined if kv_combined is None else kv_combined
         empty = jax.eval_shape(lambda: _empty_slots(self.model_cfg, count, capacity, self.st, self.policy.kv_cache,
-                                                    jnp.dtype(self.model_cfg.dtype), self.record_routing, combined))
+                                                    jnp.dtype(self.model_cfg.dtype), self.record_routing,
+                                                    kv_combined=combined))
         return _abstract(empty, self.slot_shardings(empty) if self.mesh is not None else None)
 
     def compile_decode(self, count: int, capacity: int, key, device=None, compiler_options=None):
@@ -827,7 +828,7 @@ class Engine:
             self._compile_first_round(prompts, key, n)
         cap = self._capacity(int(lens.max()) + 1)
         slots = self._place(_empty_slots(self.model_cfg, s, cap, st, kv_format, dtype, self.record_routing,
-                                         self.kv_combined))
+                                         kv_combined=self.kv_combined))
         out_tok = np.full((num, r), self.pad_id, np.int32)
         out_logp = np.zeros((num, r), np.float32)
         out_len = np.zeros(num, np.int32)

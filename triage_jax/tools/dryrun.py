@@ -215,9 +215,14 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
         pre = jax.eval_shape(lambda: smp._prefill(graphdef, state, jnp.zeros((pb, p), jnp.int32),
                                                   jnp.ones((pb, p), bool), jnp.zeros((model_cfg.num_hidden_layers,)),
                                                   jnp.zeros((model_cfg.num_hidden_layers,)), jnp.float32(1.0),
-                                                  policy=policy, capacity=p, kv_format=policy.kv_cache))
+                                                  policy=policy, capacity=p, kv_format=policy.kv_cache,
+                                                  kv_combined=engine.kv_combined))
         pre = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
             shd.batch_sharding(mesh, x.ndim) if x.ndim and x.shape[0] == pb else shd.replicated(mesh))), pre)
+        if engine.kv_combined:  # the prefill cache's [2, rows, ...] buffers: split by rows (axis 1), as the slots'
+            rows = jax.sharding.NamedSharding(mesh, shd.logical_to_mesh((None, "batch"), shd.DEFAULT_RULES, mesh))
+            pre = (pre[0].replace(kv=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows),
+                                                  pre[0].kv)), *pre[1:])
         vec = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=shd.replicated(mesh))
         insert = smp._insert.with_options(opts).lower(abstract_slots, pre[0], pre[1], vec, vec, vec, key, f32, stop,
                                                       st=st).compile()
