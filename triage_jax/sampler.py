@@ -602,9 +602,9 @@ class Engine:
         return slots if self.mesh is None else jax.device_put(slots, self.slot_shardings(slots))
 
     def slot_shardings(self, slots: Slots) -> Slots:
-        """Where the slot arrays live on the mesh: split over the batch shards, the KV buffers [2 (keys, values),
-        slots, KV heads, capacity, head dim] also by heads like the k / v projections that fill them; the per-layer
-        FP8 scales replicated. (Concrete or abstract slots; the dry-run compiles with these.)"""
+        """Where the slot arrays live on the mesh: split over the batch shards, the KV buffers ([2 (keys, values)]
+        when combined, slots, KV heads, capacity, head dim) also by heads like the k / v projections that fill them;
+        the per-layer FP8 scales replicated. (Concrete or abstract slots; the dry-run compiles with these.)"""
         from triage_jax import sharding as shd
 
         s = slots.tok.shape[0]
