@@ -11,8 +11,9 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     each timed in one jitted loop that rotates through --copies weight copies (> 100 MB, so nothing is served from
     the 50 MB L2): bf16 `jnp.dot`; fp8 (`qdot`, FP8 weights prequantized); w4a16 (NVFP4 weights prequantized,
     packed, bf16 activations); w4a16_int8 (the same weights as int8 2*e2m1 codes, backend xla_int8: the simplest
-    layout XLA's GEMM fusion can read) and w4a16_int8sc (that layout with XLA's subchannel-dequantisation fusion); w4a16_fp4gemm (the same weights in kernels/fp4_gemm.py's layout, its Mosaic
-    GPU kernel, backend fp4_gemm) and w4a16_fp4gemmreg (that kernel with wgmma's A from registers); w4a4 and
+    layout XLA's GEMM fusion can read) and w4a16_int8sc (that layout with XLA's subchannel-dequantisation
+    fusion); w4a16_fp4gemm (the same weights in kernels/fp4_gemm.py's layout, its Mosaic GPU kernel, backend
+    fp4_gemm) and w4a16_fp4gemmreg (that kernel with wgmma's A from registers); w4a4 and
     w4a4_fp4gemm (NVFP4 weights, activations quantized token-wise inside the loop). Time per GEMM and effective
     TB/s of weight bytes (codes + scales), against the device's copy bandwidth measured here; the best layout per
     preset and M against the targets.
@@ -158,8 +159,7 @@ def gemm_loop(variant: str, m: int, k: int, n: int, copies: int, iters: int):
             return acc + dot(x, w).astype(jnp.float32)  # the whole output: no slice XLA could push into the dot
         return jax.lax.fori_loop(0, iters, body, jnp.zeros((m, n), jnp.float32))
 
-    options = dict(LAYOUT_XLA_OPTIONS.get(variant.partition("_")[2], ()))
-    loop = jax.jit(loop, **({"compiler_options": options} if options else {}))
+    loop = jax.jit(loop, compiler_options=dict(LAYOUT_XLA_OPTIONS.get(variant.partition("_")[2], ())) or None)
     return (lambda: loop(x, stacked)), weight_bytes(one)
 
 
