@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cpu_as_gpu
 import quant_cases
 from triage_jax import quant
 from triage_jax.quant import PRESETS
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 # Needs the GPU itself (its compiled programs, its platform's defaults): skipped in the CPU dry run (cpu_as_gpu.py).
-DEVICE_ONLY = pytest.mark.skipif(os.environ.get("TRIAGE_CPU_AS_GPU") == "1", reason="needs the device itself")
+DEVICE_ONLY = pytest.mark.skipif(os.environ.get(cpu_as_gpu.ENV) == "1", reason="needs the device itself")
 
 
 def _on(device_kind: str):
