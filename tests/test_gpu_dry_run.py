@@ -11,7 +11,7 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.slow  # ~2-3 min on 2 cores: the GPU tests' engines and exact-mode runs, CPU against CPU
+@pytest.mark.slow  # 1:43 on 2 cores (idle): the GPU tests' engines and exact-mode runs, CPU against CPU
 def test_the_gpu_tests_pass_on_a_cpu_posing_as_the_gpu():
     """Every GPU test but the device-only ones (DEVICE_ONLY: the device's compiled programs and defaults) passes
     CPU against CPU: a GPU test broken by a code change (a helper renamed, a signature changed) fails here."""
