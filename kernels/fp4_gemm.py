@@ -483,6 +483,7 @@ def _probe() -> tuple[bool, str]:
 BACKEND = be.Backend(
     "fp4_gemm", _probe, be.reference_quantize, be.reference_matmul, accelerated=lambda: False,
     quantize_kn=_quantize_kn, dot=_dot, grouped_dot=_grouped_dot, concat_weights=concat_weights,
+    trace_key=mosaic.default_interpret,
 )  # never picked by `auto` until a GPU measurement shows it faster (experiments/bench_gpu.py)
 
 

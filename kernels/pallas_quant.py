@@ -354,6 +354,7 @@ def _matmul(lhs, rhs):
 # quantizers and GEMM (the rule: auto only where measured faster); name it to use it.
 BACKEND = be.Backend(
     "pallas", _probe, _quantize, _matmul, accelerated=lambda: False, quantize_kn=_quantize_kn,
+    trace_key=mosaic.default_interpret,
 )  # dense forward composed from these; grouped: these quantizers + the reference grouped GEMM
 
 

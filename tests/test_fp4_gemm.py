@@ -2,6 +2,7 @@
 lowering for CUDA (jax.export on the CPU), and on a GPU (-m gpu) the compiled kernel against the reference."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -183,6 +184,39 @@ def test_fp4_gemm_backend_qdot_matches_xla(preset):
     g = jax.grad(lambda a: quant.qdot(a, qw, prec, backend="fp4_gemm").astype(jnp.float32).sum())(x)
     g_ref = jax.grad(lambda a: quant.qdot(a, quant.prequantize(w, prec), prec).astype(jnp.float32).sum())(x)
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_ref, np.float32))
+
+
+def test_a_forward_traced_for_the_interpreter_is_traced_again_for_the_gpu():
+    """qdot traces a forward once per shape (its own jit); the kernel's form depends on where it lowers
+    (mosaic.lowering_for_gpu: for a compile-only GPU in this process, tools/gpu_aot.py), so that is part of the
+    trace's key (`Backend.trace_key`): a program compiled for the H200 after a CPU run at the same shapes gets the
+    kernel itself, not the CPU interpreter's form (which cannot run there)."""
+    from triage_jax import quant
+    from triage_jax.kernels import mosaic
+    from triage_jax.quant import PRESETS
+
+    prec = PRESETS["w4a16"]
+    qw = quant.prequantize(jax.random.normal(jax.random.key(4), (128, 64)) * 0.05, prec, backend="fp4_gemm")
+    x = _x(8, 128)
+
+    def kernel_interpret():  # the `interpret` parameter of the Mosaic GPU kernel in a fresh outer trace
+        found = []
+
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if "interpret" in e.params:
+                    found.append(e.params["interpret"])
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    walk(sub)
+
+        walk(jax.make_jaxpr(lambda a: quant.qdot(a, qw, prec, backend="fp4_gemm"))(x).jaxpr)
+        assert len(found) == 1, found
+        return found[0]
+
+    assert kernel_interpret()  # here: the CPU interpreter's parameters
+    with mosaic.lowering_for_gpu():
+        assert not kernel_interpret()  # the kernel, as a GPU runs it
+    assert kernel_interpret()
 
 
 def test_fp4_gemm_backend_hands_other_cases_to_xla():

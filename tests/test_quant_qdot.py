@@ -351,3 +351,32 @@ def test_debug_nonfinite_checks_weight_grouped_and_gradient():
     grad = jax.jit(jax.grad(lambda a, b: jnp.sum(quant.qdot(a, b, nv, name="mlp") * jnp.nan)))
     with pytest.raises(Exception, match=r"qdot backward \(output gradient\) in layer 'mlp'"):
         jax.block_until_ready(grad(x, w))
+
+
+def test_a_models_quantized_dots_trace_each_shape_once(monkeypatch):
+    """qdot's forward is traced once per (shapes, precision, backend), not once per call: a 36-layer model's 144
+    W4A4 dots are 4 traces (qdot._forward). Counted through a backend whose forward is xla's."""
+    from triage_jax.quant import backends as be
+
+    traces = []
+
+    def forward(x, w, prec):
+        traces.append(x.shape)
+        return be.reference_dot(x, w, prec)
+
+    monkeypatch.setitem(be._REGISTRY, "counting", be.Backend("counting", lambda: (True, "test"), dot=forward))
+    prec = PRESETS["w4a4"]
+    x, w = _data(m=16, k=64, n=64)
+    ws = [quant.prequantize(w * (i + 1), prec) for i in range(3)]
+
+    def layers(x):
+        for wi in ws:  # three dots of one shape, then one of another
+            x = quant.qdot(x, wi, prec, backend="counting")
+        return quant.qdot(x[:8], ws[0], prec, backend="counting")
+
+    got = jax.jit(layers)(x)
+    assert traces == [(16, 64), (8, 64)]
+    ref = x
+    for wi in ws:
+        ref = quant.qdot(ref, wi, prec)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(quant.qdot(ref[:8], ws[0], prec)))

@@ -255,6 +255,7 @@ def resize(cache: KVCache, max_len: int) -> KVCache:
     return map_layers(fit, cache)
 
 
+@functools.partial(jax.jit, static_argnames="scale")  # traced once per shape, not once per layer
 def cached_attention(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot_bt: jax.Array,
                      scale: float, k_scale: jax.Array | float = 1.0, v_scale: jax.Array | float = 1.0) -> jax.Array:
     """Causal attention of T new queries (at slots q_slot_bt) over one layer's cache buffers [B, KVH, S, Dh] (FP8

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Callable, Mapping
+from typing import Callable, Hashable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,9 @@ class Backend:
     unsupported: {op: reason} for the operations in OPS this backend does not provide; asking for one raises
         BackendUnsupportedError with the reason (and a composed forward that needs it does too).
     accelerated: whether "auto" may pick it here.
+    trace_key: what its operations' traces depend on besides their arguments (a hashable; e.g. whether its kernels
+        lower for the device or its CPU interpreter, kernels/mosaic.py): part of the key under which qdot traces a
+        forward once per shape, so that a trace made in one such context is never reused in another.
     """
 
     name: str
@@ -89,6 +92,7 @@ class Backend:
     grouped_dot: Callable | None = None
     concat_weights: Callable | None = None
     unsupported: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    trace_key: Callable[[], Hashable] = lambda: None
 
     def __post_init__(self):
         for op in self.unsupported:
