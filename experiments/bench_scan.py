@@ -38,15 +38,19 @@ RUN = """
 import json, sys, time
 t0 = time.perf_counter()
 import jax, numpy as np
+from flax import nnx
 from triage_jax import models
-from triage_jax.sampler import Engine, EngineConfig, SamplingConfig
+from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
 model = models.from_pretrained(sys.argv[1], scan_layers=sys.argv[2] == "scan", dtype="bfloat16",
                                param_dtype="bfloat16")
 mode = sys.argv[4] if len(sys.argv) > 4 else "parallel"
+policy = sampler_policy({sampler!r})  # the trainer's sampler for this preset: weights quantized once, at the sync
+model = prepare_model(model, policy)
+jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
 eng = Engine(SamplingConfig(max_new_tokens={new}, greedy=True),
              EngineConfig(max_slots={slots}, max_len={prompt} + {new}, max_prompt_len={prompt}, prefill_batch={slots},
                           parallel_compile=mode != "serial", compile_ahead=mode == "ahead"),
-             model=model)
+             policy=policy, model=model)
 prompts = [np.random.default_rng(k).integers(2, {vocab}, {prompt}).tolist() for k in range({slots})]
 t1 = time.perf_counter()
 tokens = np.asarray(jax.block_until_ready(eng.generate(prompts, jax.random.key(0)).tokens))
@@ -96,15 +100,16 @@ print("RESULT", json.dumps({{"first_s": first, "warm_s": min(warm), "loss": loss
 
 
 def run_form(path: str, form: str, repeats: int, compile_mode: str = "parallel", *, prompt: int = PROMPT,
-             new: int = NEW) -> dict:
+             new: int = NEW, sampler: str = "bf16") -> dict:
     """One fresh process per form: its first generate compiles from nothing (the persistent cache is off);
-    compile_mode "serial" turns EngineConfig.parallel_compile off, "ahead" turns compile_ahead on too."""
+    compile_mode "serial" turns EngineConfig.parallel_compile off, "ahead" turns compile_ahead on too; `sampler`:
+    the sampler's preset (its weights quantized before the clock starts, as the trainer's sync does)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": "", "JAX_ENABLE_COMPILATION_CACHE": "false"}
     if compile_mode == "learner":
         code = LEARN.format(rows=LEARNER_ROWS, prompt=LEARNER_PROMPT, resp=LEARNER_RESP, vocab=WIDTH["vocab_size"])
     else:
-        code = RUN.format(new=new, slots=SLOTS, prompt=prompt, vocab=WIDTH["vocab_size"])
+        code = RUN.format(new=new, slots=SLOTS, prompt=prompt, vocab=WIDTH["vocab_size"], sampler=sampler)
     out = subprocess.run([sys.executable, "-c", code, path, form, str(repeats), compile_mode], cwd=root, env=env,
                          capture_output=True, text=True, timeout=1800)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
