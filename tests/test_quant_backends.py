@@ -74,6 +74,24 @@ def test_register_custom_backend_and_probe_failure():
         backends._probe.cache_clear()
 
 
+def test_a_probe_first_asked_inside_a_trace_gives_the_real_answer():
+    """A backend is first resolved where a model is traced (its copy prepared under jax.eval_shape, a qdot under
+    jit): its probe still computes on concrete arrays, and the answer cached for the process is the real one. The
+    pallas probe compares its kernels' bits with the reference's (bool of an array)."""
+    backends._probe.cache_clear()
+    asked = []
+
+    def traced(x):
+        asked.append(quant.resolve_backend("pallas"))
+        return x
+
+    try:
+        jax.eval_shape(traced, jnp.ones(3))
+        assert asked == ["pallas"] and backends.available_backends()["pallas"][0]
+    finally:
+        backends._probe.cache_clear()
+
+
 @pytest.fixture
 def registered():
     """Register test backends; restores the registry (and the probe cache) afterwards."""

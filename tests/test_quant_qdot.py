@@ -355,7 +355,8 @@ def test_debug_nonfinite_checks_weight_grouped_and_gradient():
 
 def test_a_models_quantized_dots_trace_each_shape_once(monkeypatch):
     """qdot's forward is traced once per (shapes, precision, backend), not once per call: a 36-layer model's 144
-    W4A4 dots are 4 traces (qdot._forward). Counted through a backend whose forward is xla's."""
+    W4A4 dots are 4 traces (qdot._forward). Counted through a backend whose forward is xla's; a backend registered
+    in its place under the same name is traced afresh (the trace is the backend object's, not its name's)."""
     from triage_jax.quant import backends as be
 
     traces = []
@@ -364,7 +365,10 @@ def test_a_models_quantized_dots_trace_each_shape_once(monkeypatch):
         traces.append(x.shape)
         return be.reference_dot(x, w, prec)
 
-    monkeypatch.setitem(be._REGISTRY, "counting", be.Backend("counting", lambda: (True, "test"), dot=forward))
+    def counting():
+        monkeypatch.setitem(be._REGISTRY, "counting", be.Backend("counting", lambda: (True, "test"), dot=forward))
+
+    counting()
     prec = PRESETS["w4a4"]
     x, w = _data(m=16, k=64, n=64)
     ws = [quant.prequantize(w * (i + 1), prec) for i in range(3)]
@@ -376,6 +380,9 @@ def test_a_models_quantized_dots_trace_each_shape_once(monkeypatch):
 
     got = jax.jit(layers)(x)
     assert traces == [(16, 64), (8, 64)]
+    counting()
+    jax.jit(lambda a: layers(a))(x)
+    assert traces == [(16, 64), (8, 64)] * 2
     ref = x
     for wi in ws:
         ref = quant.qdot(ref, wi, prec)

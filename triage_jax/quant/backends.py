@@ -25,6 +25,7 @@ for an operation it does not provide raises BackendUnsupportedError with its rea
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib
@@ -57,7 +58,7 @@ def is_quantized(a) -> bool:
     return isinstance(a, QUANTIZED_TYPES)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # equal and hashed by identity: a jit key (qdot traces per backend)
 class Backend:
     """One backend: a capability probe and the operations it provides.
 
@@ -78,8 +79,9 @@ class Backend:
         BackendUnsupportedError with the reason (and a composed forward that needs it does too).
     accelerated: whether "auto" may pick it here.
     trace_key: what its operations' traces depend on besides their arguments (a hashable; e.g. whether its kernels
-        lower for the device or its CPU interpreter, kernels/mosaic.py): part of the key under which qdot traces a
-        forward once per shape, so that a trace made in one such context is never reused in another.
+        lower for the device or its CPU interpreter, kernels/mosaic.py): with the backend itself, part of the key
+        under which qdot traces a forward once per shape, so that a trace made in one such context, or by a backend
+        since replaced in the registry, is never reused.
     """
 
     name: str
@@ -173,7 +175,12 @@ def load_kernel_backends() -> None:
 @functools.lru_cache(maxsize=None)
 def _probe(name: str) -> tuple[bool, str]:
     try:
-        return _REGISTRY[name].probe()
+        # The first ask may come from inside a trace (a sampler's copy prepared under jax.eval_shape, a qdot under
+        # jit), where a probe's checks on its own arrays would see tracers and fail, and the failure be cached for
+        # the process. JAX's trace state is per thread, so the probe runs on a thread of its own, outside any trace
+        # (ensure_compile_time_eval is not enough: it folds a kernel's own constants, which Pallas refuses).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(_REGISTRY[name].probe).result()
     except Exception as e:  # a probe that crashes reports why
         return False, f"probe failed: {type(e).__name__}: {e}"
 

@@ -143,13 +143,14 @@ def _forward(x2: jax.Array, w, prec: LayerPrecision, backend: str) -> jax.Array:
     model's 144 quantized dots are 4 traces, not 144 (the 4B W4A4 decode round: ~70% of its trace time), lowered
     as calls of one function each, which XLA inlines before it optimizes (the same program, the same bits).
     """
-    return _forward_once(x2, w, prec, backend, be.get_backend(backend).trace_key())
+    b = be.get_backend(backend)
+    return _forward_once(x2, w, prec, b, b.trace_key())
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _forward_once(x2, w, prec: LayerPrecision, backend: str, trace_key) -> jax.Array:
+def _forward_once(x2, w, prec: LayerPrecision, b: be.Backend, trace_key) -> jax.Array:
     del trace_key  # a key of the jit's trace cache only
-    return be.get_backend(backend).forward(x2, _weight_operand(w), prec)
+    return b.forward(x2, _weight_operand(w), prec)
 
 
 def _report_grad(g, prec: LayerPrecision, op: str, name: str) -> None:
@@ -283,13 +284,14 @@ _RAGGED_WGRAD = jax.lax.RaggedDotDimensionNumbers(
 
 def _ragged_forward(x_mk, w, gs, prec: LayerPrecision, backend: str) -> jax.Array:
     """The grouped forward, traced once per shape as _forward is."""
-    return _ragged_forward_once(x_mk, w, gs, prec, backend, be.get_backend(backend).trace_key())
+    b = be.get_backend(backend)
+    return _ragged_forward_once(x_mk, w, gs, prec, b, b.trace_key())
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _ragged_forward_once(x_mk, w, gs, prec: LayerPrecision, backend: str, trace_key) -> jax.Array:
+def _ragged_forward_once(x_mk, w, gs, prec: LayerPrecision, b: be.Backend, trace_key) -> jax.Array:
     del trace_key
-    return be.get_backend(backend).grouped_forward(x_mk, _weight_operand(w), gs, prec)
+    return b.grouped_forward(x_mk, _weight_operand(w), gs, prec)
 
 
 def _ragged_st_grads(x, w, gs, g, gdt):
