@@ -349,10 +349,7 @@ def _prefill(graphdef, state, ids_pb, mask_pb, k_scale, v_scale, temperature, *,
 def _insert(slots: Slots, pre: kvc.KVCache, logits_pv, slot_m, row_m, req_m, key, top_p, stop_s, *, st: _Static):
     """Copy prefilled prompt rows row_m into slots slot_m (slot index >= S: unused entry) and draw each sample's
     first token from its prompt's logits."""
-    def copy(buf_sksh, pre_bksh):
-        return kvc.copy_rows(buf_sksh, pre_bksh, slot_m, row_m)
-
-    cache = kvc.map_layers(copy, slots.cache, pre).replace(
+    cache = kvc.insert_rows(slots.cache, pre, slot_m, row_m).replace(
         k_scale=pre.k_scale, v_scale=pre.v_scale,
         lengths=slots.cache.lengths.at[slot_m].set(pre.lengths[row_m], mode="drop"))
     tok_m, logp_m = _draw(logits_pv[row_m], _token_keys(key, req_m, jnp.zeros_like(req_m)), top_p, st)

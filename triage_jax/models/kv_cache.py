@@ -348,27 +348,43 @@ def attention_rows(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot
     return _heads_back(out_bkqh, t, q_btnh.dtype)
 
 
-def copy_rows(buf_sksh: jax.Array, src_bksh: jax.Array, slot_m: jax.Array, row_m: jax.Array) -> jax.Array:
-    """Rows row_m of a (prefill) cache buffer into rows slot_m of `buf` at slots [0, P) (a slot index past the
-    buffer's rows: dropped).
+def copy_rows(buf, src, slot_m: jax.Array, row_m: jax.Array, *, lead: int = 0):
+    """Rows row_m of (prefill) cache buffers `src` into rows slot_m of the buffers `buf` at slots [0, P) (a slot
+    index past a buffer's rows: dropped). buf / src: one buffer or matching pytrees of them, each [B, KVH, S, Dh]
+    behind `lead` leading axes (a combined buffer's keys / values, a stack's layers).
 
-    One row per step of a loop over the entries (a gather of one row, a scatter of it), so the insertion holds one
-    row of temporaries; a gather of all M rows at once held them all (M x the prompt's KV, replicated on every
-    device under the mesh). Gather and scatter move the bits as unsigned integers when both buffers hold one 1- or
-    2-byte float type (see `scatter_set`: no float32 copy of the buffer on XLA:CPU)."""
-    p = src_bksh.shape[2]
+    One loop over the entries for all the buffers, one row per step (a gather of it, a scatter of it), so the
+    insertion holds one row of temporaries per buffer; a gather of all M rows at once held them all (M x the
+    prompt's KV, replicated on every device under the mesh), and a loop per buffer made 36-72 loops of a 36-layer
+    model (each a compiled loop; on a GPU each iteration a host round trip for its condition). Gather and scatter
+    move the bits as unsigned integers when both buffers hold one 1- or 2-byte float type (see `scatter_set`: no
+    float32 copy of the buffer on XLA:CPU)."""
+    bufs, tree = jax.tree.flatten(buf)
+    srcs = jax.tree.leaves(src)
+    p = srcs[0].shape[-2]
     pos_1p = jnp.arange(p, dtype=jnp.int32)[None, :]
-    dt = jnp.dtype(buf_sksh.dtype)
-    bits = None
-    if jnp.dtype(src_bksh.dtype) == dt and jnp.issubdtype(dt, jnp.floating) and dt.itemsize <= 2:
-        bits = {1: jnp.uint8, 2: jnp.uint16}[dt.itemsize]
-        src, buf = jax.lax.bitcast_convert_type(src_bksh, bits), jax.lax.bitcast_convert_type(buf_sksh, bits)
-    else:
-        src, buf = src_bksh, buf_sksh
+    dts = [jnp.dtype(b.dtype) for b in bufs]
+    views = [{1: jnp.uint8, 2: jnp.uint16}[dt.itemsize] if jnp.dtype(s.dtype) == dt and jnp.issubdtype(
+        dt, jnp.floating) and dt.itemsize <= 2 else None for dt, s in zip(dts, srcs)]
+    as_bits = lambda x, bits: x if bits is None else jax.lax.bitcast_convert_type(x, bits)  # noqa: E731
+    srcs = [as_bits(s, bits) for s, bits in zip(srcs, views)]
 
-    def one(m, buf):
-        row = jnp.take(src, row_m[m][None], axis=0).astype(buf.dtype).transpose(0, 2, 1, 3)  # [1, P, KVH, Dh]
-        return buf.at[slot_m[m][None, None], :, pos_1p].set(row, mode="drop")
+    def row(b, s, m):  # entry m into one [B, KVH, S, Dh] buffer
+        r = jnp.take(s, row_m[m][None], axis=0).astype(b.dtype).transpose(0, 2, 1, 3)  # [1, P, KVH, Dh]
+        return b.at[slot_m[m][None, None], :, pos_1p].set(r, mode="drop")
 
-    out = jax.lax.fori_loop(0, slot_m.shape[0], one, buf)
-    return jax.lax.bitcast_convert_type(out, dt) if bits is not None else out
+    for _ in range(lead):
+        row = jax.vmap(row, in_axes=(0, 0, None))
+
+    def one(m, bs):
+        return tuple(row(b, s, m) for b, s in zip(bs, srcs))
+
+    out = jax.lax.fori_loop(0, slot_m.shape[0], one, tuple(as_bits(b, bits) for b, bits in zip(bufs, views)))
+    out = [o if bits is None else jax.lax.bitcast_convert_type(o, dt) for o, bits, dt in zip(out, views, dts)]
+    return jax.tree.unflatten(tree, out)
+
+
+def insert_rows(cache: KVCache, pre: KVCache, slot_m: jax.Array, row_m: jax.Array) -> KVCache:
+    """`cache` with rows row_m of the prefill cache `pre` (this one's layout) copied into its rows slot_m, every
+    layer's keys and values in one loop (`copy_rows`)."""
+    return cache.replace(kv=copy_rows(cache.kv, pre.kv, slot_m, row_m, lead=int(cache.combined) + int(cache.stacked)))
