@@ -356,7 +356,7 @@ def copy_rows(buf, src, slot_m: jax.Array, row_m: jax.Array, *, lead: int = 0):
     One loop over the entries for all the buffers, one row per step (a gather of it, a scatter of it), so the
     insertion holds one row of temporaries per buffer; a gather of all M rows at once held them all (M x the
     prompt's KV, replicated on every device under the mesh), and a loop per buffer made 36-72 loops of a 36-layer
-    model (each a compiled loop; on a GPU each iteration a host round trip for its condition). Gather and scatter
+    model (on an H200 each of 2 kernels outside any CUDA graph per entry: docs/architecture.md). Gather and scatter
     move the bits as unsigned integers when both buffers hold one 1- or 2-byte float type (see `scatter_set`: no
     float32 copy of the buffer on XLA:CPU)."""
     bufs, tree = jax.tree.flatten(buf)
@@ -387,4 +387,5 @@ def copy_rows(buf, src, slot_m: jax.Array, row_m: jax.Array, *, lead: int = 0):
 def insert_rows(cache: KVCache, pre: KVCache, slot_m: jax.Array, row_m: jax.Array) -> KVCache:
     """`cache` with rows row_m of the prefill cache `pre` (this one's layout) copied into its rows slot_m, every
     layer's keys and values in one loop (`copy_rows`)."""
-    return cache.replace(kv=copy_rows(cache.kv, pre.kv, slot_m, row_m, lead=int(cache.combined) + int(cache.stacked)))
+    lead = int(cache.combined) + int(cache.stacked)
+    return cache.replace(kv=copy_rows(cache.kv, pre.kv, slot_m, row_m, lead=lead))
