@@ -57,6 +57,27 @@ def test_inexact_float_ops_names_what_a_gpu_may_round_differently():
     assert sum(gpu_aot.ptx_float_ops(ptx).values()) == 14  # div.u32 is not a float instruction
 
 
+def test_compile_profile_names_where_a_compile_spends_its_time():
+    """compile_profile (the tool's --passes) on a CPU compile, no plugin needed: the function's result passes through,
+    XLA's and JAX's compile stages come back by name with non-negative self times (nested spans subtracted once), and
+    nothing from Python (jit calls) is among them."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 256), jnp.float32)
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would compile nothing
+    try:
+        compiled, seconds = gpu_aot.compile_profile(lambda: jax.jit(lambda a: jnp.sin(a) @ a.T).lower(x).compile())
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    assert compiled(x).shape == (64, 64)
+    assert "backend_compile_and_load" in seconds, sorted(seconds)
+    assert min(seconds.values()) >= -1e-9, seconds
+    assert not [k for k in seconds if k.startswith(("$", "PjitFunction", "jit_"))], sorted(seconds)
+    assert list(seconds.values()) == sorted(seconds.values(), reverse=True)  # longest first
+
+
 _THUNKS = """\
 001: kCustomKernel [source       | next=003 (2)] wrapped_iota grid: [1, 1, 1] threads: [64, 1, 1]  shared_memory: 0 bytes
 003: kWhile        [prev=002 (1) | sink        ]
@@ -163,11 +184,14 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
         from triage_jax.tools import gpu_aot
         from experiments.bench_gpu import SMALL_MODEL as small  # bench_gpu's 2-layer Qwen3
         dev = gpu_aot.h200()
-        print(json.dumps([gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=dev,
-                                              overrides=small, kv_cache=kv)
-                          for s, kv in (("bf16", "bf16"), ("w4a16:fp4_gemm", "bf16"), ("bf16", "fp8"))]))
+        rows, seconds = gpu_aot.compile_profile(lambda: [  # the tool's --passes: where the compiles went
+            gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=dev, overrides=small,
+                                kv_cache=kv)
+            for s, kv in (("bf16", "bf16"), ("w4a16:fp4_gemm", "bf16"), ("bf16", "fp8"))])
+        print(json.dumps({"rows": rows, "passes": sorted(seconds)}))
     """)
-    bf16, fp4, fp8 = out
+    bf16, fp4, fp8 = out["rows"]
+    assert {"priority-fusion", "PTX->CUBIN"} <= set(out["passes"]), out["passes"]  # XLA:GPU's, by name
     assert fp8["command_buffers"] == 1 and fp8["outside_graphs"] == 0, fp8
     assert fp8["launches"] == bf16["launches"] and fp8["by_kind"] == bf16["by_kind"], (fp8, bf16)
     assert bf16["command_buffers"] == 1 and bf16["outside_graphs"] == 0 and bf16["nested_loops"] == 0, bf16

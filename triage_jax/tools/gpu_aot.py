@@ -1,7 +1,7 @@
 """Compile for an NVIDIA H200 on a machine without a GPU and read what XLA:GPU made of a program.
 
     python -m triage_jax.tools.gpu_aot decode [--models qwen3_0_6b] [--samplers bf16,w4a16,w4a16:xla_int8]
-        [--batch 64] [--local] [--json PATH]
+        [--batch 64] [--local] [--passes N] [--json PATH]
     python -m triage_jax.tools.gpu_aot learner [--config configs/qwen3_4b.py] [--precisions bf16,w4a4]
         [--scan true,false] [--devices 8] [--layers N] [--json PATH]
 
@@ -17,7 +17,8 @@ thunk sequence (the kernels, copies and loops the program launches, in order).
   multiply-add, flush-to-zero): tests/test_gpu_aot.py holds every quantizer to none (docs/numerics.md, "GPU").
 - `decode`: the kernels one decode step of the engine launches on the H200, per sampler, for the GPU's fixed
   decode rounds (bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this
-  table from its own XLA), and the seconds it took to trace, lower and compile it (this host's; no autotuning).
+  table from its own XLA), and the seconds it took to trace, lower and compile it (this host's; no autotuning);
+  `--passes N` adds the N compile stages and XLA passes that took longest (compile_profile).
 - `learner`: the seconds to lower and compile the trainer's learner update of a run config for a node of H200s,
   with the layers scanned (model.scan_layers) or unrolled.
 
@@ -58,6 +59,7 @@ if __name__ == "__main__" and "--local" not in sys.argv:
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import glob  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -135,6 +137,47 @@ def compile_fn(fn, *args, device=None) -> Compiled:
     device = device or h200()
     lowered = jax.jit(fn).lower(*abstract_on(args, device))
     return compile_dumped(lambda opts: lowered.compile(opts))
+
+
+def compile_profile(fn):
+    """(fn(), {event name: self seconds}): fn run under JAX's profiler with host events only (no Python tracer), its
+    events' self time (their span less the spans of the events inside them) summed by name, Python-level ones
+    (jit calls, PjitFunction) left out: XLA's compile stages and HLO passes (priority-fusion, CompileModuleToLlvmIr,
+    PTX->CUBIN, ...), jax's lowering. Where a compile's seconds go; the profiler is one per process."""
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level, opts.host_tracer_level = 0, 3
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True, profiler_options=opts)
+        try:
+            out = fn()
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        if not paths:
+            raise RuntimeError("JAX's profiler wrote no perfetto trace")
+        with gzip.open(paths[0]) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    own = collections.Counter()
+    for spans in by_thread.values():
+        spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []  # the enclosing spans of the one being read
+        for e in spans:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if stack:
+                own[stack[-1]["name"]] -= e["dur"]
+            own[e["name"]] += e["dur"]
+            stack.append(e)
+    seconds = collections.Counter()
+    for name, us in own.items():
+        if not (name.startswith("$") or name.startswith("PjitFunction") or name.startswith("jit_")):
+            seconds[name.split(":")[0]] += us / 1e6
+    return out, dict(seconds.most_common())
 
 
 _PTX_INSTR = re.compile(r"^\s*(?:@%?!?\w+\s+)?([a-z][a-z0-9]*(?:\.[A-Za-z0-9_:]+)*)\s", re.M)
@@ -319,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="learner: another depth (0: the config's)")
     ap.add_argument("--local", action="store_true",
                     help="compile for this process's first device instead (on a GPU machine: its own XLA; no plugin)")
+    ap.add_argument("--passes", type=int, default=0,
+                    help="decode: also the N compile stages / XLA passes that took longest (JAX's profiler)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only programs: nothing to reuse
@@ -338,11 +383,18 @@ def main(argv: list[str] | None = None) -> int:
           f" {'compile s':>9}  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
-            r = decode_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache)
+            step = lambda: decode_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache)  # noqa: E731
+            if args.passes:
+                r, seconds = compile_profile(step)
+                r["slowest_passes_s"] = {k: round(v, 2) for k, v in list(seconds.items())[:args.passes]}
+            else:
+                r = step()
             rows.append(r)
             top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
                   f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {r['compile_s']:>9}  {top}", flush=True)
+            if args.passes:
+                print(" " * 13 + "slowest: " + ", ".join(f"{k} {v} s" for k, v in r["slowest_passes_s"].items()))
     return _emit("decode", rows, args.json)
 
 
