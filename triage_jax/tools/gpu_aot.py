@@ -175,7 +175,7 @@ def compile_profile(fn):
             stack.append(e)
     seconds = collections.Counter()
     for name, us in own.items():
-        if not (name.startswith("$") or name.startswith("PjitFunction") or name.startswith("jit_")):
+        if not name.startswith(("$", "PjitFunction", "jit_")):
             seconds[name.split(":")[0]] += us / 1e6
     return out, dict(seconds.most_common())
 
@@ -367,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only programs: nothing to reuse
+    if args.passes < 0:
+        ap.error(f"--passes {args.passes}: a count of passes, >= 0")
     if args.what == "learner":
+        if args.passes:
+            ap.error("--passes is for decode")
         if args.local:
             ap.error("learner compiles for compile-only H200s (--devices of them); --local is for decode")
         return _learner_table(args)
