@@ -34,6 +34,29 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps, (KV,), **nkw)
         self.qkv_proj = nnx.data(None)  # a MergedLinear of q / k / v in a prequantize_model copy (then those None)
 
+    def _qk_norm_rope(self, q_btnh, k_btkh, cos_bth, sin_bth, policy):
+        """q and k each normalized by its own RMSNorm, then rotated."""
+        exact = policy is not None and policy.exact
+        return (apply_rope(self.q_norm(q_btnh, policy), cos_bth, sin_bth, exact),
+                apply_rope(self.k_norm(k_btkh, policy), cos_bth, sin_bth, exact))
+
+    def _qk_norm_rope_merged(self, y, cos_bth, sin_bth, policy):
+        """_qk_norm_rope on the merged q / k / v output y [B, T, (N + 2 KVH) Dh], q and k as one [B, T, N + KVH, Dh]
+        slice (each head by its own norm's weight): one normalization kernel a layer on a GPU instead of two.
+
+        Not on the CPU: XLA:CPU picks a row reduction's summation order by the array's shape (rows of 64 sum
+        otherwise in a [30, 6, 64] array than in [30, 4, 64]), so the one slice rounded differently from the parts
+        and the sampler's copy lost the on-the-fly forward's bits (tests/test_models_qwen3.py); the CPU takes
+        _qk_norm_rope on the split output.
+        """
+        (n, h), (kvh, _), _ = self.qkv_proj.out_dims
+        b, t = y.shape[:2]
+        qk = y[..., :(n + kvh) * h].reshape(b, t, n + kvh, h)
+        heads = jnp.arange(n + kvh)[:, None] < n
+        w = jnp.where(heads, self.q_norm.weight[...], self.k_norm.weight[...]).astype(qk.dtype)
+        qk = apply_rope(w * self.q_norm.normalize(qk, policy), cos_bth, sin_bth, policy is not None and policy.exact)
+        return qk[:, :, :n], qk[:, :, n:]
+
     def __call__(self, x_btd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, mask_bts: jax.Array | None,
                  policy: PrecisionPolicy | None = None, *, cache: kvc.KVCache | None = None,
                  slot_bt: jax.Array | None = None, new_mask_bt: jax.Array | None = None, layer_index=None):
@@ -46,23 +69,15 @@ class Attention(nnx.Module):
         """
         exact = policy is not None and policy.exact
         if self.qkv_proj is not None:
-            # q and k normalized and rotated as one [B, T, N + KVH, Dh] slice of the merged output (each head by its
-            # own norm's weight): one normalization kernel on a GPU instead of two, the same values (the sums run
-            # per head over Dh either way).
             y = self.qkv_proj.flat(x_btd, policy)
-            (n, h), (kvh, _), _ = self.qkv_proj.out_dims
-            b, t = y.shape[:2]
-            qk = y[..., :(n + kvh) * h].reshape(b, t, n + kvh, h)
-            v_btkh = y[..., (n + kvh) * h:].reshape(b, t, kvh, h)
-            heads = jnp.arange(n + kvh)[:, None] < n
-            w = jnp.where(heads, self.q_norm.weight[...], self.k_norm.weight[...]).astype(qk.dtype)
-            qk = apply_rope(w * self.q_norm.normalize(qk, policy), cos_bth, sin_bth, exact)
-            q_btnh, k_btkh = qk[:, :, :n], qk[:, :, n:]
+            v_btkh = self.qkv_proj.split(y)[2]
+            q_btnh, k_btkh = jax.lax.platform_dependent(
+                y, cpu=lambda y: self._qk_norm_rope(*self.qkv_proj.split(y)[:2], cos_bth, sin_bth, policy),
+                default=lambda y: self._qk_norm_rope_merged(y, cos_bth, sin_bth, policy))
         else:
             q_btnh, k_btkh, v_btkh = (self.q_proj(x_btd, policy), self.k_proj(x_btd, policy),
                                       self.v_proj(x_btd, policy))
-            q_btnh = apply_rope(self.q_norm(q_btnh, policy), cos_bth, sin_bth, exact)
-            k_btkh = apply_rope(self.k_norm(k_btkh, policy), cos_bth, sin_bth, exact)
+            q_btnh, k_btkh = self._qk_norm_rope(q_btnh, k_btkh, cos_bth, sin_bth, policy)
         q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, KV))
         if cache is not None:
             i = self.layer if layer_index is None else layer_index

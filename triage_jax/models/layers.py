@@ -94,7 +94,10 @@ class MergedLinear(nnx.Module):
         self.kernel = QuantizedKernel(kernel)
 
     def __call__(self, x: jax.Array, policy: PrecisionPolicy | None = None) -> tuple[jax.Array, ...]:
-        y = self.flat(x, policy)
+        return self.split(self.flat(x, policy))
+
+    def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        """The flat output [..., N_q + N_k + ...] as the parts' outputs (y_q, y_k, y_v), each in its out_dims."""
         lead = y.shape[:-1]
         ends = list(itertools.accumulate(math.prod(o) for o in self.out_dims))
         return tuple(y[..., e - math.prod(o):e].reshape(*lead, *o) for e, o in zip(ends, self.out_dims))
