@@ -70,10 +70,10 @@ class Attention(nnx.Module):
         exact = policy is not None and policy.exact
         if self.qkv_proj is not None:
             y = self.qkv_proj.flat(x_btd, policy)
-            v_btkh = self.qkv_proj.split(y)[2]
+            q_btnh, k_btkh, v_btkh = self.qkv_proj.split(y)
             q_btnh, k_btkh = jax.lax.platform_dependent(
-                y, cpu=lambda y: self._qk_norm_rope(*self.qkv_proj.split(y)[:2], cos_bth, sin_bth, policy),
-                default=lambda y: self._qk_norm_rope_merged(y, cos_bth, sin_bth, policy))
+                q_btnh, k_btkh, cpu=lambda q, k: self._qk_norm_rope(q, k, cos_bth, sin_bth, policy),
+                default=lambda q, k: self._qk_norm_rope_merged(y, cos_bth, sin_bth, policy))
         else:
             q_btnh, k_btkh, v_btkh = (self.q_proj(x_btd, policy), self.k_proj(x_btd, policy),
                                       self.v_proj(x_btd, policy))
