@@ -12,6 +12,10 @@ from triage_jax.quant import PrecisionPolicy
 
 
 
+# Model calls are jitted: eager, a forward compiles each of its ~100 ops as a program of its own.
+_forward = nnx.jit(lambda m, *a: m(*a))
+
+
 @pytest.fixture(scope="module")
 def model():
     return Qwen3(get_model_config("tiny", num_hidden_layers=2), rngs=nnx.Rngs(0))
@@ -51,8 +55,8 @@ def test_chunked_gradient_matches_unchunked():
     def ref(h, w):
         return jnp.sum(wt * _reference(h, w, targets, 0.8)[0])
 
-    g = jax.grad(chunked, argnums=(0, 1))(h, w)
-    g_ref = jax.grad(ref, argnums=(0, 1))(h, w)
+    g = jax.jit(jax.grad(chunked, argnums=(0, 1)))(h, w)
+    g_ref = jax.jit(jax.grad(ref, argnums=(0, 1)))(h, w)
     for a, b in zip(g, g_ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -66,9 +70,9 @@ def test_token_logprobs_equals_model_logits(dtype, tied):
     mask = jnp.array([[1] * 8 + [0], [0, 0, 1, 1, 1, 1, 1, 1, 0]], bool)
     attn = jnp.array([[1] * 9, [0, 0] + [1] * 7], bool)  # the second row is left-padded
     pos = default_positions(attn)
-    logp, ent = token_logprobs(model, ids, targets, mask, temperature=0.7, vocab_chunk=48, attention_mask_bt=attn,
-                               return_entropy=True)
-    logits = model(ids, pos, attn) / 0.7
+    logp, ent = nnx.jit(lambda m: token_logprobs(m, ids, targets, mask, temperature=0.7, vocab_chunk=48,
+                                                 attention_mask_bt=attn, return_entropy=True))(model)
+    logits = _forward(model, ids, pos, attn) / 0.7
     ref = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
     ref_ent = -jnp.sum(jax.nn.softmax(logits, -1) * jax.nn.log_softmax(logits, -1), -1)
     np.testing.assert_allclose(logp, jnp.where(mask, ref, 0.0), atol=1e-5)
@@ -88,8 +92,8 @@ def test_token_logprobs_is_differentiable_in_the_parameters(model):
         lp = jax.nn.log_softmax(m(ids), -1)
         return jnp.sum(jnp.where(mask, jnp.take_along_axis(lp, targets[..., None], -1)[..., 0], 0.0))
 
-    g = jax.tree.leaves(nnx.grad(loss_chunked)(model))
-    g_ref = jax.tree.leaves(nnx.grad(loss_ref)(model))
+    g = jax.tree.leaves(nnx.jit(nnx.grad(loss_chunked))(model))
+    g_ref = jax.tree.leaves(nnx.jit(nnx.grad(loss_ref))(model))
     assert len(g) == len(g_ref) > 0
     for a, b in zip(g, g_ref):
         assert np.all(np.isfinite(a))
@@ -102,10 +106,10 @@ def test_response_logprobs_aligns_responses_after_left_padded_prompts(model):
     prompt_mask = prompt > 0
     resp = jnp.array([[11, 12, 13], [14, 15, 0]])
     resp_mask = jnp.array([[1, 1, 1], [1, 1, 0]], bool)
-    lp = response_logprobs(model, prompt, prompt_mask, resp, resp_mask, vocab_chunk=64)
+    lp = nnx.jit(lambda m: response_logprobs(m, prompt, prompt_mask, resp, resp_mask, vocab_chunk=64))(model)
     # Row 0 alone without its padding: the same log-probs.
     seq = jnp.array([[5, 6, 11, 12, 13]])
-    full = jax.nn.log_softmax(model(seq[:, :-1]), -1)
+    full = jax.nn.log_softmax(_forward(model, seq[:, :-1]), -1)
     ref = jnp.take_along_axis(full, seq[:, 1:, None], -1)[0, 1:, 0]
     np.testing.assert_allclose(lp[0], ref, atol=1e-5)
     assert lp.shape == (2, 3) and float(lp[1, 2]) == 0.0

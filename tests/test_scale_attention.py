@@ -20,10 +20,15 @@ def _inputs(b=2, t=37, n=4, kh=2, h=8, dtype=jnp.float32, seed=0):
     return q, k, v, causal_padding_mask(slot, slot, jnp.asarray(real)), real
 
 
+@jax.jit
+def _dot_product_attention(q, k, v, mask, scale):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+
+
 @pytest.mark.parametrize("q_chunk,k_chunk", [(8, 16), (37, 37), (5, 64), (64, 3)])
 def test_values_equal_dot_product_attention(q_chunk, k_chunk):
     q, k, v, mask, real = _inputs()
-    want = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=8 ** -0.5)
+    want = _dot_product_attention(q, k, v, mask, 8 ** -0.5)
     got = jax.jit(lambda *a: chunked_attention(*a, scale=8 ** -0.5, q_chunk=q_chunk, k_chunk=k_chunk))(q, k, v,
                                                                                                        mask)
     assert got.shape == want.shape
@@ -39,8 +44,8 @@ def test_gradients_equal_dot_product_attention():
     def loss(f):
         return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * w)
 
-    ref = jax.grad(loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
-                                                                     scale=0.3)), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.jit(jax.grad(loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                                                             scale=0.3)), argnums=(0, 1, 2)))(q, k, v)
     got = jax.jit(jax.grad(loss(lambda q, k, v: chunked_attention(q, k, v, mask, scale=0.3, q_chunk=8,
                                                                   k_chunk=16)), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(got, ref):
@@ -49,8 +54,8 @@ def test_gradients_equal_dot_product_attention():
 
 def test_bfloat16_close_to_dot_product_attention():
     q, k, v, mask, real = _inputs(dtype=jnp.bfloat16, seed=2)
-    want = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=8 ** -0.5)
-    got = chunked_attention(q, k, v, mask, scale=8 ** -0.5, q_chunk=16, k_chunk=8)
+    want = _dot_product_attention(q, k, v, mask, 8 ** -0.5)
+    got = jax.jit(lambda *a: chunked_attention(*a, scale=8 ** -0.5, q_chunk=16, k_chunk=8))(q, k, v, mask)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], atol=2e-2)
 
@@ -70,7 +75,7 @@ def test_long_sequence_attention_swaps_in_for_long_calls_only():
     model = models.Qwen3(models.get_model_config("tiny", num_hidden_layers=2), rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.key(0), (2, 24), 0, 128)
     mask = jnp.asarray(np.arange(24)[None] >= np.asarray([[0], [5]]))
-    want = model(ids, attention_mask_bt=mask)
+    want = nnx.jit(lambda m, i, a: m(i, attention_mask_bt=a))(model, ids, mask)
     original = jax.nn.dot_product_attention
     with long_sequence_attention(min_len=16, q_chunk=8, k_chunk=8):
         assert jax.nn.dot_product_attention is not original
@@ -98,12 +103,13 @@ def test_model_with_attn_chunk_equals_dense_attention():
     ids = jax.random.randint(jax.random.key(1), (2, 29), 2, 100)
     mask = jnp.ones((2, 29), bool).at[0, :5].set(False)  # left padding
     real = np.asarray(mask)  # pad positions attend to nothing: their outputs are don't-care
-    np.testing.assert_allclose(np.asarray(chunked(ids, attention_mask_bt=mask))[real],
-                               np.asarray(dense(ids, attention_mask_bt=mask))[real], rtol=2e-5, atol=2e-5)
+    forward = nnx.jit(lambda m, i, a: m(i, attention_mask_bt=a))  # eager, each of ~250 ops compiles alone
+    np.testing.assert_allclose(np.asarray(forward(chunked, ids, mask))[real],
+                               np.asarray(forward(dense, ids, mask))[real], rtol=2e-5, atol=2e-5)
 
     def loss(m):
         return jnp.sum(jnp.where(mask[..., None], m(ids, attention_mask_bt=mask), 0.0) ** 2)
 
-    g_dense, g_chunk = nnx.grad(loss)(dense), nnx.grad(loss)(chunked)
+    g_dense, g_chunk = nnx.jit(nnx.grad(loss))(dense), nnx.jit(nnx.grad(loss))(chunked)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4), nnx.state(g_dense),
                  nnx.state(g_chunk))
