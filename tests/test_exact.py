@@ -141,8 +141,8 @@ def test_exact_attention_gradient_matches_default_attention():
     def loss(f):
         return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, vis, 0.3)))
 
-    g_exact = jax.grad(loss(invariant.attention), argnums=(0, 1, 2))(q, k, v)
-    g_ref = jax.grad(loss(invariant._reference_attention), argnums=(0, 1, 2))(q, k, v)
+    g_exact = jax.jit(jax.grad(loss(invariant.attention), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.jit(jax.grad(loss(invariant._reference_attention), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(g_exact, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 

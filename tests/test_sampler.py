@@ -29,17 +29,22 @@ def model_bf16():
 
 
 def _learner(model, out, policy=F32_POLICY, temperature=1.0):
-    return response_logprobs(model, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask, policy=policy,
-                             temperature=temperature, vocab_chunk=48)
+    """The learner's log-probs of the response, jitted as the learner runs them."""
+    return nnx.jit(lambda m, *a: response_logprobs(m, *a, policy=policy, temperature=temperature, vocab_chunk=48))(
+        model, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+
+
+@nnx.jit
+def _forward(model, seq, real):
+    return model(seq, default_positions(real), real)
 
 
 def _teacher_forced_logits(model, out):
     """Logits [B, N, V] predicting each response token, from one forward pass over prompt ++ response."""
     seq = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
     real = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
-    logits = model(seq, default_positions(real), real)
     p = out.prompt_tokens.shape[1]
-    return logits[:, p - 1:-1]
+    return _forward(model, seq, real)[:, p - 1:-1]
 
 
 def test_greedy_equals_teacher_forced_argmax_and_logprobs_match(model):
