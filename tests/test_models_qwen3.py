@@ -268,8 +268,8 @@ def test_dtypes_and_hidden_output():
     cfg = get_model_config("tiny", **SMALL, dtype="bfloat16", param_dtype="float32")
     m = Qwen3(cfg, rngs=nnx.Rngs(0))
     ids = jnp.zeros((2, 3), jnp.int32)
-    assert m(ids).dtype == jnp.float32  # float32 logits from a bf16 forward
-    h = m(ids, return_hidden=True)
+    assert fwd(m, ids, None).dtype == jnp.float32  # float32 logits from a bf16 forward
+    h = nnx.jit(lambda m, i: m(i, return_hidden=True))(m, ids)
     assert h.shape == (2, 3, 64) and h.dtype == jnp.bfloat16
     assert m.lm_head_kernel().shape == (64, 64)
 
@@ -374,8 +374,9 @@ def test_both_cached_attention_forms_are_masked_softmax_attention(dtype):
         slot = jnp.asarray(rng.integers(0, s - t, size=(b, 1)) + np.arange(t)[None], jnp.int32)
         mask = (jnp.arange(s)[None, None, :] <= slot[:, :, None])[:, None]
         f32 = lambda x: x.astype(jnp.float32)
-        want = np.asarray(jax.nn.dot_product_attention(f32(q), f32(k).transpose(0, 2, 1, 3),
-                                                       f32(v).transpose(0, 2, 1, 3), mask=mask, scale=h**-0.5))
+        reference = jax.jit(lambda q, k, v, mask, h=h: jax.nn.dot_product_attention(
+            f32(q), f32(k).transpose(0, 2, 1, 3), f32(v).transpose(0, 2, 1, 3), mask=mask, scale=h**-0.5))
+        want = np.asarray(reference(q, k, v, mask))
         forms = {name: jax.jit(functools.partial(f, scale=h**-0.5)) for name, f in
                  (("blocks", kvc.attention_blocks), ("rows", kvc.attention_rows), ("cpu", kvc.cached_attention))}
         got = {name: f(q, k, v, slot) for name, f in forms.items()}
