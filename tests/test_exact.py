@@ -120,17 +120,35 @@ def test_gpu_row_chunks_give_each_row_its_unchunked_bits():
             assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)), m
 
 
-def test_exact_rope_rounds_both_products_before_adding_them():
-    from triage_jax.models.layers import apply_rope, rope_cos_sin
+def test_rope_rounds_both_products_before_adding_them_in_every_program():
+    """RoPE gives torch's two-rounding bits whatever program it sits in: alone, after the q norm with the angles
+    computed in the same program (the learner's forward), and as the unguarded sum XLA would contract."""
+    from triage_jax.models.layers import RMSNorm, apply_rope, rope_cos_sin
 
     x = jax.random.normal(jax.random.key(0), (2, 300, 4, 64))
-    cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(300), (2, 300)), 64, 1e6, jnp.float32)
-    xn, c, s = np.asarray(x), np.asarray(cos)[:, :, None], np.asarray(sin)[:, :, None]
-    rot = np.concatenate([-xn[..., 32:], xn[..., :32]], axis=-1)
-    by_hand = (xn * c).astype(np.float32) + (rot * s).astype(np.float32)
-    assert not np.array_equal(np.asarray(jax.jit(apply_rope)(x, cos, sin)), by_hand)  # XLA contracts one product
-    exact = jax.jit(lambda *a: apply_rope(*a, exact=True))(x, cos, sin)
-    np.testing.assert_array_equal(np.asarray(exact), by_hand)
+    pos = jnp.broadcast_to(jnp.arange(300), (2, 300))
+    cos, sin = jax.jit(rope_cos_sin, static_argnums=(1, 2, 3))(pos, 64, 1e6, jnp.float32)
+
+    def by_hand(x, cos, sin):
+        xn, c, s = np.asarray(x), np.asarray(cos)[:, :, None], np.asarray(sin)[:, :, None]
+        rot = np.concatenate([-xn[..., 32:], xn[..., :32]], axis=-1)
+        return (xn * c).astype(np.float32) + (rot * s).astype(np.float32)
+
+    def unguarded(x, cos, sin):
+        rot = jnp.concatenate([-x[..., 32:], x[..., :32]], axis=-1)
+        return x * cos[:, :, None, :] + rot * sin[:, :, None, :]
+
+    assert not np.array_equal(np.asarray(jax.jit(unguarded)(x, cos, sin)), by_hand(x, cos, sin))  # XLA contracts
+    np.testing.assert_array_equal(np.asarray(jax.jit(apply_rope)(x, cos, sin)), by_hand(x, cos, sin))
+    norm = RMSNorm(64, 1e-6, (None,), dtype="float32", param_dtype="float32")
+
+    @jax.jit
+    def fused(x, pos):
+        c, s = rope_cos_sin(pos, 64, 1e6, jnp.float32)
+        return norm(x), c, s, apply_rope(norm(x), c, s)
+
+    normed, c, s, got = fused(x, pos)
+    np.testing.assert_array_equal(np.asarray(got), by_hand(normed, c, s))
 
 
 def test_exact_attention_gradient_matches_default_attention():

@@ -36,9 +36,8 @@ class Attention(nnx.Module):
 
     def _qk_norm_rope(self, q_btnh, k_btkh, cos_bth, sin_bth, policy):
         """q and k each normalized by its own RMSNorm, then rotated."""
-        exact = policy is not None and policy.exact
-        return (apply_rope(self.q_norm(q_btnh, policy), cos_bth, sin_bth, exact),
-                apply_rope(self.k_norm(k_btkh, policy), cos_bth, sin_bth, exact))
+        return (apply_rope(self.q_norm(q_btnh, policy), cos_bth, sin_bth),
+                apply_rope(self.k_norm(k_btkh, policy), cos_bth, sin_bth))
 
     def _qk_norm_rope_merged(self, y, cos_bth, sin_bth, policy):
         """_qk_norm_rope on the merged q / k / v output y [B, T, (N + 2 KVH) Dh], q and k as one [B, T, N + KVH, Dh]
@@ -54,7 +53,7 @@ class Attention(nnx.Module):
         qk = y[..., :(n + kvh) * h].reshape(b, t, n + kvh, h)
         heads = jnp.arange(n + kvh)[:, None] < n
         w = jnp.where(heads, self.q_norm.weight[...], self.k_norm.weight[...]).astype(qk.dtype)
-        qk = apply_rope(w * self.q_norm.normalize(qk, policy), cos_bth, sin_bth, policy is not None and policy.exact)
+        qk = apply_rope(w * self.q_norm.normalize(qk, policy), cos_bth, sin_bth)
         return qk[:, :, :n], qk[:, :, n:]
 
     def __call__(self, x_btd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, mask_bts: jax.Array | None,

@@ -156,10 +156,12 @@ def rope_cos_sin(positions_bt: jax.Array, head_dim: int, theta: float, dtype) ->
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array, exact: bool = False) -> jax.Array:
-    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, broadcast over heads; exact: both products `rounded`
-    (XLA fuses one of them into the add as an FMA in some programs and not in others)."""
+def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, broadcast over heads, both products `rounded` before the
+    add, as torch computes it. XLA contracts one product into the add as an FMA in some programs and not in others
+    (which depends on the whole program's fusions and on the CPU's vector ISA), and the sampler's copy and the
+    learner are different programs: unguarded, their q and k differed in the last bit (docs/numerics.md)."""
     half = x_btnh.shape[-1] // 2
     rot = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
     a, b = x_btnh * cos_bth[:, :, None, :], rot * sin_bth[:, :, None, :]
-    return invariant.rounded(a) + invariant.rounded(b) if exact else a + b
+    return invariant.rounded(a) + invariant.rounded(b)
