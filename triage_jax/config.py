@@ -461,9 +461,13 @@ def _check_monitor(c: ml_collections.ConfigDict) -> None:
 
 
 def xla_options(c: ml_collections.ConfigDict) -> tuple:
-    """sampler.xla_options ("NAME=VALUE" strings) as EngineConfig's (name, value) pairs: true / false become
-    booleans and integers / floats numbers, anything else stays a string (e.g. a comma list of enum values)."""
-    items = c.sampler.xla_options
+    """sampler.xla_options ("NAME=VALUE" strings) as EngineConfig's (name, value) pairs (parse_xla_options)."""
+    return parse_xla_options(c.sampler.xla_options)
+
+
+def parse_xla_options(items) -> tuple:
+    """"NAME=VALUE" strings (or one) as (name, value) pairs: true / false become booleans and integers / floats
+    numbers, anything else stays a string (e.g. a comma list of enum values)."""
     if isinstance(items, str):
         items = (items,)
     pairs = []

@@ -266,11 +266,11 @@ def fusion_outputs(hlo: str) -> dict[str, int]:
 
 
 def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
-                device=None, overrides: dict | None = None, kv_cache: str = "bf16") -> dict:
+                device=None, overrides: dict | None = None, kv_cache: str = "bf16", xla_options: tuple = ()) -> dict:
     """The kernels one decode step of the engine launches on `device` (default: a compile-only H200), for the
-    model config `model_name` (random init, bf16; nothing materialized: the weights stay abstract), the
-    sampler `sampler`: <preset>[:<backend>] (a sampler preset, a quantization backend; default xla) and the KV
-    cache format `kv_cache`."""
+    model config `model_name` (random init, bf16; nothing materialized: the weights stay abstract; `overrides`
+    of its fields, e.g. scan_layers=True), the sampler `sampler`: <preset>[:<backend>] (a sampler preset, a
+    quantization backend; default xla), the KV cache format `kv_cache` and the engine's `xla_options`."""
     from flax import nnx
 
     from triage_jax import models
@@ -283,7 +283,8 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
     cfg = models.get_model_config(model_name, dtype="bfloat16", param_dtype="bfloat16", **(overrides or {}))
     model = nnx.eval_shape(lambda: sm.prepare_model(models.Qwen3(cfg, rngs=nnx.Rngs(0)), policy))
     engine = sm.Engine(sm.SamplingConfig(max_new_tokens=capacity - prompt_len),
-                       sm.EngineConfig(max_slots=batch, max_len=capacity, max_prompt_len=prompt_len),
+                       sm.EngineConfig(max_slots=batch, max_len=capacity, max_prompt_len=prompt_len,
+                                       xla_options=tuple(xla_options)),
                        policy=policy, model=model)
     t0 = time.perf_counter()
     with mosaic.lowering_for_gpu():  # the fp4_gemm backend's kernel, as a GPU runs it
@@ -355,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samplers", default="bf16,w4a16")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--kv-cache", default="bf16", choices=KV_FORMATS, help="decode: the KV cache format")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="decode: the model with scan_layers=True (its decode step loops over the stacked layers)")
+    ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="decode: an XLA option the engine's programs compile with (repeatable), as sampler.xla_options")
     ap.add_argument("--config", default="configs/qwen3_4b.py", help="learner: the run config")
     ap.add_argument("--precisions", default="bf16,w4a4", help="learner: learner.precision values")
     ap.add_argument("--scan", default="true,false", help="learner: model.scan_layers values")
@@ -370,11 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.passes < 0:
         ap.error(f"--passes {args.passes}: a count of passes, >= 0")
     if args.what == "learner":
-        if args.passes:
-            ap.error("--passes is for decode")
+        if args.passes or args.scan_layers or args.xla_option:
+            ap.error("--passes, --scan-layers and --xla-option are for decode (learner: --scan)")
         if args.local:
             ap.error("learner compiles for compile-only H200s (--devices of them); --local is for decode")
         return _learner_table(args)
+    from triage_jax.config import parse_xla_options
+    from triage_jax.sampler import check_xla_options
+
+    try:
+        options = check_xla_options(parse_xla_options(args.xla_option))
+    except ValueError as e:
+        ap.error(f"--xla-option: {e}")
     device = jax.devices()[0] if args.local else h200()
     if device.platform != "gpu":
         ap.error(f"--local compiles for this process's device, and it is a {device.platform}, not a GPU")
@@ -387,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
           f" {'compile s':>9}  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
-            step = lambda: decode_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache)  # noqa: E731
+            step = lambda: decode_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache,  # noqa: E731
+                                       overrides={"scan_layers": True} if args.scan_layers else None,
+                                       xla_options=options)
             if args.passes:
                 r, seconds = compile_profile(step)
                 r["slowest_passes_s"] = {k: round(v, 2) for k, v in list(seconds.items())[:args.passes]}
