@@ -205,7 +205,7 @@ def _engine_run(model, policy, batch: int, prompt_len: int, new_tokens: int, xla
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, model.cfg.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    prepared = prepare_model(model, policy)
+    prepared = prepare_model(model, policy, unstack=False)  # a scanned model (the *_scan samplers) stays scanned
     calls, engines = [], []
     for tokens in (new_tokens, 1):
         eng = Engine(SamplingConfig(max_new_tokens=tokens), EngineConfig(
@@ -383,7 +383,7 @@ cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16"
 model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
 policy = sampler_policy({preset!r}, backend={backend!r})
 eng = Engine(SamplingConfig(max_new_tokens={new}), EngineConfig(max_slots={b}, max_len={plen} + {new},
-             max_prompt_len={plen}, prefill_batch={b}), policy=policy, model=prepare_model(model, policy))
+             max_prompt_len={plen}, prefill_batch={b}), policy=policy, model=prepare_model(model, policy, unstack=False))
 rng = np.random.default_rng(0)
 prompts = [rng.integers(2, cfg.vocab_size, {plen}).tolist() for _ in range({b})]
 t1 = time.perf_counter()

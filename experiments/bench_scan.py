@@ -45,7 +45,7 @@ model = models.from_pretrained(sys.argv[1], scan_layers=sys.argv[2] == "scan", d
                                param_dtype="bfloat16")
 mode = sys.argv[4] if len(sys.argv) > 4 else "parallel"
 policy = sampler_policy({sampler!r})  # the trainer's sampler for this preset: weights quantized once, at the sync
-model = prepare_model(model, policy)
+model = prepare_model(model, policy, unstack=False)  # the scanned form decodes scanned
 jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
 eng = Engine(SamplingConfig(max_new_tokens={new}, greedy=True),
              EngineConfig(max_slots={slots}, max_len={prompt} + {new}, max_prompt_len={prompt}, prefill_batch={slots},

@@ -13,10 +13,13 @@
 # Not in these 10 minutes: the 4B W4A4 engine (the main config's sampler) and its first call, which compile for
 # long (the 2-core CPU's deviceless compile of the 4B decode round, 2026-12-05: w4a4 63 s, w4a4 fp4_gemm 49 s; the
 # prefill beside it 44 / 33 s; 2026-12-06, q / k / v and gate / up stored merged by the xla backend: w4a4 48 s;
-# after the combined KV buffer and the joint q / k norm, 1,204 launches, 44 s). With device time left after the
-# check, a second call (~4-5 minutes):
+# after the combined KV buffer and the joint q / k norm, 1,204 launches, 44 s; with the layers scanned 4.9 s, but
+# each layer's weights copied out of the stack every step and 288 launches outside CUDA graphs: w4a4_scan weighs
+# that step against the unrolled one, --first_call_scan its first call). With device time left after the check, a
+# second call (~5-6 minutes):
 #   python3 experiments/bench_gpu.py --parts engine,first_call --models qwen3_4b --batches 64 --no_hf \
-#     --samplers bf16,w4a4,w4a4_fp4gemm,w4a16_int8sc --first_call_samplers w4a4 --json "$OUT/bench_gpu_w4a4.json"
+#     --samplers bf16,w4a4,w4a4_scan,w4a4_fp4gemm,w4a16_int8sc --first_call_samplers w4a4 --first_call_scan \
+#     --json "$OUT/bench_gpu_w4a4.json"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)

@@ -107,6 +107,7 @@ def test_loop_body_thunks_counts_one_iteration_of_the_step_loop():
     r = gpu_aot.loop_body_thunks(_THUNKS)
     assert r["launches"] == 6 and r["command_buffers"] == 1 and r["nested_loops"] == 1, r
     assert r["outside_graphs"] == 4, r  # all but the command buffer's select and copy
+    assert r["nested_launches"] == r["nested_outside_graphs"] == 3, r  # the layer loop's compare, copy and GEMM
     assert r["by_name"] == {"kCopy": 2, "loop_select_fusion": 1, "loop_compare_fusion": 1, "gemm_fusion_dot": 1,
                             "loop_add_fusion": 1}, r
     with pytest.raises(ValueError, match="no top-level while loop"):
@@ -178,7 +179,9 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     cache adds no launch to the step: its quantization fuses into the cache writes, its values convert inside the
     attention's GEMMs, its scales, set by the prefill, are not re-derived, and each layer's scale is a buffer of its
     own (a slice of an [L] array is copied out before a GEMM fusion reads it: two copies a layer). A layer's keys
-    and values are written by one scatter (one buffer; 2 more scatters a step store the drawn tokens and log-probs)."""
+    and values are written by one scatter (one buffer; 2 more scatters a step store the drawn tokens and log-probs).
+    A scan_layers=True model decodes with its layers in a loop (prepare_model(unstack=False)): its per-step count
+    runs the loop's launches once per layer, among them the copies of each layer's weights out of the stack."""
     out = _run("""
         import json
         from triage_jax.tools import gpu_aot
@@ -188,9 +191,11 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
             gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=dev, overrides=small,
                                 kv_cache=kv)
             for s, kv in (("bf16", "bf16"), ("w4a16:fp4_gemm", "bf16"), ("bf16", "fp8"))])
+        rows.append(gpu_aot.decode_step("qwen3_0_6b", "bf16", 16, capacity=128, prompt_len=32, device=dev,
+                                        overrides=dict(small, scan_layers=True)))
         print(json.dumps({"rows": rows, "passes": sorted(seconds)}))
     """)
-    bf16, fp4, fp8 = out["rows"]
+    bf16, fp4, fp8, scanned = out["rows"]
     assert {"priority-fusion", "PTX->CUBIN"} <= set(out["passes"]), out["passes"]  # XLA:GPU's, by name
     assert fp8["command_buffers"] == 1 and fp8["outside_graphs"] == 0, fp8
     assert fp8["launches"] == bf16["launches"] and fp8["by_kind"] == bf16["by_kind"], (fp8, bf16)
@@ -200,6 +205,10 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
         assert step["by_name"].get("input_scatter_fusion") == 2 + 2, step["by_name"]
     assert fp4["by_kind"].get("kCustomCall") == 4 * 2, fp4
     assert fp4["nested_loops"] == 0, fp4
+    once = sum(n for k, n in scanned["by_kind"].items() if k not in ("kWhile", "kCommandBuffer", "kDynamicSliceFusion"))
+    assert scanned["nested_loops"] == 1 and scanned["layers"] == 2, scanned
+    assert scanned["launches"] == once + scanned["nested_launches"] > bf16["launches"], (scanned, bf16)
+    assert scanned["by_kind"]["kCopy"] > 0, scanned  # the weights copied out of the stack
 
 
 @needs_plugin

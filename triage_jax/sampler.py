@@ -120,14 +120,16 @@ def sampler_policy(preset: str = "bf16", kv_cache: str = "bf16", *, rules=(), ac
                                      rules=token_wise_rules(rules, act_scaling), **kw)
 
 
-def prepare_model(model, policy: PrecisionPolicy, *, mesh=None, rules=None):
+def prepare_model(model, policy: PrecisionPolicy, *, mesh=None, rules=None, unstack: bool = True):
     """The sampler's copy (the learner -> sampler sync): per-layer modules (a scan_layers=True learner's layers
     unstacked: models.unstack_layers), the weights quantized once (no-op for high precision), a layer's q / k / v
     and gate / up merged where the backend merges them and the engine's `mesh` (by `rules`) does not split them
-    (models.prequantize_model)."""
+    (models.prequantize_model). unstack=False keeps a scanned model's layers stacked, its decode step a loop over
+    them (what the GPU benchmarks weigh against unrolled: experiments/bench_gpu.py's *_scan samplers)."""
     from triage_jax import models
 
-    return models.prequantize_model(models.unstack_layers(model), policy, mesh=mesh, rules=rules)
+    return models.prequantize_model(models.unstack_layers(model) if unstack else model, policy, mesh=mesh,
+                                    rules=rules)
 
 
 def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:

@@ -215,7 +215,8 @@ def loop_body_thunks(thunks: str) -> dict:
     """The thunks of the body of the program's first top-level while loop (the decode round's step loop), by
     kind: launches (kernels, GEMM library calls, copies, memsets; control thunks not counted), the number of
     command buffers (CUDA graphs) they are grouped into and the launches outside any (each its own launch), and
-    nested loops (their condition and body counted once: a scanned model's layer loop runs its body per layer)."""
+    nested loops, their condition and body counted once (a scanned model's layer loop runs them once per layer):
+    `nested_launches` / `nested_outside_graphs` are the part of launches / outside_graphs inside nested loops."""
     lines = thunks.splitlines()
     start = next((i for i, x in enumerate(lines) if re.match(r"\d+: kWhile\s", x)), None)  # unindented: top level
     if start is None:
@@ -224,6 +225,7 @@ def loop_body_thunks(thunks: str) -> dict:
     depth = len(lines[body]) - len(lines[body].lstrip())
     kinds, names = collections.Counter(), collections.Counter()
     graph_indent, outside = None, 0  # the command buffer being read (its thunks are indented below it)
+    loop_indent, nested, nested_outside = None, 0, 0  # the nested while loop being read
     for line in lines[body + 1:]:
         m = _THUNK.match(line)
         if m and len(m.group(1)) <= depth:
@@ -232,16 +234,23 @@ def loop_body_thunks(thunks: str) -> dict:
             indent, kind = len(m.group(1)), m.group(2)
             if graph_indent is not None and indent <= graph_indent:
                 graph_indent = None
+            if loop_indent is not None and indent <= loop_indent:
+                loop_indent = None
             kinds[kind] += 1
             if kind == "kCommandBuffer":
                 graph_indent = indent
+            elif kind == "kWhile":
+                loop_indent = indent if loop_indent is None else loop_indent
             elif kind not in _CONTROL:
                 outside += graph_indent is None
+                nested += loop_indent is not None
+                nested_outside += loop_indent is not None and graph_indent is None
                 fields = line.split("]", 1)[-1].split()
                 names[re.sub(r"(_\d+)+$", "", fields[0]) if fields else kind] += 1
     launches = sum(n for k, n in kinds.items() if k not in _CONTROL)
     return {"launches": launches, "command_buffers": kinds["kCommandBuffer"], "outside_graphs": outside,
-            "nested_loops": kinds["kWhile"], "by_kind": dict(kinds.most_common()), "by_name": dict(names.most_common())}
+            "nested_loops": kinds["kWhile"], "nested_launches": nested, "nested_outside_graphs": nested_outside,
+            "by_kind": dict(kinds.most_common()), "by_name": dict(names.most_common())}
 
 
 _FUSION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(?[a-z][a-z0-9]*\[[^=]*?) fusion\(", re.M)
@@ -281,7 +290,7 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
     preset, _, backend = sampler.partition(":")
     policy = sm.sampler_policy(preset, backend=backend or "xla", kv_cache=kv_cache)
     cfg = models.get_model_config(model_name, dtype="bfloat16", param_dtype="bfloat16", **(overrides or {}))
-    model = nnx.eval_shape(lambda: sm.prepare_model(models.Qwen3(cfg, rngs=nnx.Rngs(0)), policy))
+    model = nnx.eval_shape(lambda: sm.prepare_model(models.Qwen3(cfg, rngs=nnx.Rngs(0)), policy, unstack=False))
     engine = sm.Engine(sm.SamplingConfig(max_new_tokens=capacity - prompt_len),
                        sm.EngineConfig(max_slots=batch, max_len=capacity, max_prompt_len=prompt_len,
                                        xla_options=tuple(xla_options)),
@@ -293,8 +302,14 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
     compile_s = time.perf_counter() - t0
     steps = engine.config.steps_per_round
     body = loop_body_thunks(out.thunks)
+    if cfg.scan_layers:  # the layer loop's launches run once per layer: per step, count them that often
+        if body["nested_loops"] != 1:
+            raise ValueError(f"a scanned decode step with {body['nested_loops']} nested loops, not the layer loop")
+        extra = cfg.num_hidden_layers - 1
+        body["launches"] += extra * body["nested_launches"]
+        body["outside_graphs"] += extra * body["nested_outside_graphs"]
     return {"model": model_name, "sampler": sampler, "kv_cache": kv_cache, "batch": batch,
-            "layers": cfg.num_hidden_layers,
+            "layers": cfg.num_hidden_layers, "scan_layers": cfg.scan_layers, "xla_options": dict(xla_options),
             "steps_per_round": steps, "compile_s": round(compile_s, 1), **body,
             "launches_per_layer": round(body["launches"] / cfg.num_hidden_layers, 1)}
 
