@@ -189,3 +189,6 @@ def test_unstack_layers_gives_the_per_layer_model_with_each_layers_weights(pair)
     assert not q.cfg.scan_layers
     np.testing.assert_array_equal(np.asarray(fwd(q, ids, mask, policy)[0]),
                                   np.asarray(fwd(prepare_model(looped, policy), ids, mask, policy)[0]))
+    # unstack=False (the benchmarks' scanned samplers) keeps the layers stacked, each quantized per layer.
+    kept = prepare_model(scanned, policy, unstack=False)
+    assert kept.cfg.scan_layers and isinstance(kept.layers.attn.o_proj.kernel.get_value(), QuantizedWeight)

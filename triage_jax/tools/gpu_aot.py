@@ -1,7 +1,8 @@
 """Compile for an NVIDIA H200 on a machine without a GPU and read what XLA:GPU made of a program.
 
     python -m triage_jax.tools.gpu_aot decode [--models qwen3_0_6b] [--samplers bf16,w4a16,w4a16:xla_int8]
-        [--batch 64] [--local] [--passes N] [--json PATH]
+        [--batch 64] [--kv-cache bf16] [--scan-layers] [--xla-option NAME=VALUE ...] [--local] [--passes N]
+        [--json PATH]
     python -m triage_jax.tools.gpu_aot learner [--config configs/qwen3_4b.py] [--precisions bf16,w4a4]
         [--scan true,false] [--devices 8] [--layers N] [--json PATH]
 
@@ -16,7 +17,7 @@ thunk sequence (the kernels, copies and loops the program launches, in order).
   correctly rounded one or depends on the hardware (approximate division / reciprocal / transcendental, fused
   multiply-add, flush-to-zero): tests/test_gpu_aot.py holds every quantizer to none (docs/numerics.md, "GPU").
 - `decode`: the kernels one decode step of the engine launches on the H200, per sampler, for the GPU's fixed
-  decode rounds (bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this
+  decode rounds (with --scan-layers, of the model's stacked layers in a loop: its launches counted per layer) (bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this
   table from its own XLA), and the seconds it took to trace, lower and compile it (this host's; no autotuning);
   `--passes N` adds the N compile stages and XLA passes that took longest (compile_profile).
 - `learner`: the seconds to lower and compile the trainer's learner update of a run config for a node of H200s,
