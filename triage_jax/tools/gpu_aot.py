@@ -17,8 +17,9 @@ thunk sequence (the kernels, copies and loops the program launches, in order).
   correctly rounded one or depends on the hardware (approximate division / reciprocal / transcendental, fused
   multiply-add, flush-to-zero): tests/test_gpu_aot.py holds every quantizer to none (docs/numerics.md, "GPU").
 - `decode`: the kernels one decode step of the engine launches on the H200, per sampler, for the GPU's fixed
-  decode rounds (with --scan-layers, of the model's stacked layers in a loop: its launches counted per layer) (bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this
-  table from its own XLA), and the seconds it took to trace, lower and compile it (this host's; no autotuning);
+  decode rounds (--scan-layers: the model's stacked layers in a loop, whose launches count once per layer;
+  bench_gpu's ops/step counts HLO ops on the GPU itself; `--local` on a GPU machine gives this table from its own
+  XLA), and the seconds it took to trace, lower and compile it (this host's; no autotuning);
   `--passes N` adds the N compile stages and XLA passes that took longest (compile_profile).
 - `learner`: the seconds to lower and compile the trainer's learner update of a run config for a node of H200s,
   with the layers scanned (model.scan_layers) or unrolled.
