@@ -383,7 +383,8 @@ cfg = models.get_model_config({name!r}, dtype="bfloat16", param_dtype="bfloat16"
 model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
 policy = sampler_policy({preset!r}, backend={backend!r})
 eng = Engine(SamplingConfig(max_new_tokens={new}), EngineConfig(max_slots={b}, max_len={plen} + {new},
-             max_prompt_len={plen}, prefill_batch={b}), policy=policy, model=prepare_model(model, policy, unstack=False))
+             max_prompt_len={plen}, prefill_batch={b}), policy=policy,
+             model=prepare_model(model, policy, unstack=False))  # a scanned model stays scanned
 rng = np.random.default_rng(0)
 prompts = [rng.integers(2, cfg.vocab_size, {plen}).tolist() for _ in range({b})]
 t1 = time.perf_counter()

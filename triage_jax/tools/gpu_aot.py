@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scan-layers", action="store_true",
                     help="decode: the model with scan_layers=True (its decode step loops over the stacked layers)")
     ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                    help="decode: an XLA option the engine's programs compile with (repeatable), as sampler.xla_options")
+                    help="decode: an XLA option the engine's programs compile with (repeatable; as "
+                         "sampler.xla_options)")
     ap.add_argument("--config", default="configs/qwen3_4b.py", help="learner: the run config")
     ap.add_argument("--precisions", default="bf16,w4a4", help="learner: learner.precision values")
     ap.add_argument("--scan", default="true,false", help="learner: model.scan_layers values")
