@@ -26,7 +26,9 @@ from registers as wgmma's A operand: Mosaic GPU's CPU interpreter (the tests' on
 GPU) takes wgmma operands from shared memory only, and the default is the tested path; `a_operand="registers"`
 (compiled only) skips the round trip, for the GPU to race. The interpreter has no transposed views either: there
 x's blocks are copied transposed and the output tile transposed as an array (the same values); the compiled views
-are checked on the CPU where Mosaic GPU lowers them (jax.export for CUDA) and on a GPU by the -m gpu tests. Split-K
+are checked on the CPU where Mosaic GPU lowers them (jax.export for CUDA), assembled there for sm_90a by Mosaic GPU
+and ptxas (tests/test_gpu_kernels.py: wgmma in the SASS, no spilled register; tools/gpu_kernels.py shows every
+sampler shape), and run on a GPU by the -m gpu tests. Split-K
 over a second
 grid axis fills the SMs at decode shapes (N / 64 CTAs alone are 40 at N = 2560); the partial sums are added in XLA
 in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma's N).

@@ -320,8 +320,9 @@ def _export_for_cuda(fn, shape):
 def test_pallas_quantizers_lower_for_cuda(op):
     """The CPU-side guard of the kernels' GPU lowering: jaxlib's CPU build lowers Pallas for CUDA (Mosaic GPU) in
     jax.export, so a change that breaks it (an 8-bit op, a reduction over part of a tile, a TMA tile over 256 or
-    a row under 128) fails here. A non-multiple of 128 columns exercises the padding. It cannot reach the final
-    PTX compile: test_pallas_compiled_on_gpu_bit_exact (-m gpu) is the guard of that."""
+    a row under 128) fails here. A non-multiple of 128 columns exercises the padding. The compile below it (PTX,
+    ptxas, SASS) is tests/test_gpu_aot.py's (deviceless, through jax's CUDA PJRT plugin); the bits on a device
+    are test_pallas_compiled_on_gpu_bit_exact's (-m gpu)."""
     name, _, scaling = op.partition(":")
     fn = {"nvfp4": lambda a: pk.quantize_nvfp4(a, scaling=scaling or "tensor", interpret=False),
           "nvfp4_kn": lambda a: pk.quantize_nvfp4_kn(a, scaling=scaling or "tensor", interpret=False),

@@ -9,9 +9,10 @@
 XLA compiles for a GPU it is only told about (deviceless AOT: jax.experimental.topologies with a target config,
 the device description the compiler reads) through jax's CUDA PJRT plugin, which loads without a driver or CUDA
 libraries. The program goes through every XLA:GPU pass (fusion, GEMM rewriting, command buffers, LLVM's NVPTX
-backend); autotuning is skipped (GEMM tiles are the defaults) and Mosaic GPU kernels stay custom calls (their PTX
-is made when the program loads on a device). What comes back, per compile: the PTX of every XLA kernel and the
-thunk sequence (the kernels, copies and loops the program launches, in order).
+backend); autotuning is skipped (GEMM tiles are the defaults). A Mosaic GPU kernel stays a custom call in the
+thunks, but its compile runs too: Mosaic GPU's pipeline and this machine's ptxas build it for sm_90a during the
+program's compile (tools/gpu_kernels.py reads its PTX, ptxas report and SASS). What comes back, per compile: the PTX
+of every XLA kernel and the thunk sequence (the kernels, copies and loops the program launches, in order).
 
 - `ptx_float_ops` / `inexact_float_ops`: the float instructions of the PTX, and those whose result is not the
   correctly rounded one or depends on the hardware (approximate division / reciprocal / transcendental, fused
@@ -53,6 +54,8 @@ def use_plugin() -> None:
         raise SystemExit(f"gpu_aot: jax's CUDA PJRT plugin is not in {plugin_dir()}; run bash .ci/gpu_aot_plugin.sh")
     sys.path.insert(0, plugin_dir())
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported already (it read JAX_PLATFORMS then): its backends may not have started
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 if __name__ == "__main__" and "--local" not in sys.argv:
