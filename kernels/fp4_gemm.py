@@ -18,20 +18,21 @@ M is 64; x and y stay in XLA's row-major [M, K] / [M, N] (x's tiles are wgmma's 
 of shared memory, and each output tile is written back transposed), so no transpose runs around the call and the
 norms / RoPE / cache writes next to it fuse as they do around XLA's own GEMMs: one warpgroup per 64 weight rows, a
 TMA pipeline over K streaming codes, scales and x tiles into shared
-memory, and per 16-element block: decode in registers with integer bit tricks (E2M1 code -> float32 bits, E4M3 /
-E8M0 code -> float32 bits; no lookup table and no float4 convert, which Mosaic GPU refuses below sm_100), one
-multiply by the block scale (the product e2m1 * s is exact in bfloat16), a store to shared memory and a wgmma
-(bf16 x bf16 -> float32) against x^T. By default the decoded tile goes through shared memory rather than straight
-from registers as wgmma's A operand: Mosaic GPU's CPU interpreter (the tests' only way to run this kernel without a
-GPU) takes wgmma operands from shared memory only, and the default is the tested path; `a_operand="registers"`
-(compiled only) skips the round trip, for the GPU to race. The interpreter has no transposed views either: there
-x's blocks are copied transposed and the output tile transposed as an array (the same values); the compiled views
-are checked on the CPU where Mosaic GPU lowers them (jax.export for CUDA), assembled there for sm_90a by Mosaic GPU
-and ptxas (tests/test_gpu_kernels.py: wgmma in the SASS, no spilled register; tools/gpu_kernels.py shows every
-sampler shape), and run on a GPU by the -m gpu tests. Split-K
-over a second
-grid axis fills the SMs at decode shapes (N / 64 CTAs alone are 40 at N = 2560); the partial sums are added in XLA
-in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma's N).
+memory, and per 16-element block: decode in registers with integer bit tricks (no lookup table and no float4
+convert, which Mosaic GPU refuses below sm_100): each E2M1 code's bits moved into a float32 that is 2^-126 times its
+value (code 1 a subnormal, which a kernel without .FTZ keeps) and multiplied by 2^126, each E4M3 scale alike (2^120;
+E8M0: 2^(c - 127) from the exponent field), one bf16x2 multiply by the block scale (the product e2m1 * s is exact
+in bfloat16), a store to shared memory and a wgmma (bf16 x bf16 -> float32) against x^T. The interpreter (XLA:CPU
+flushes subnormals) decodes field by field: the same values. By default the decoded tile goes through shared
+memory rather than straight from registers as wgmma's A operand: Mosaic GPU's CPU interpreter (the tests' only
+way to run this kernel without a GPU) takes wgmma operands from shared memory only, and the default is the
+tested path; `a_operand="registers"` (compiled only) skips the round trip, for the GPU to race. The interpreter
+has no transposed views either: there x's blocks are copied transposed and the output tile transposed as an
+array (the same values); the compiled views are checked on the CPU where Mosaic GPU lowers them (jax.export for
+CUDA), assembled there for sm_90a by Mosaic GPU and ptxas (tests/test_gpu_kernels.py: wgmma in the SASS, no
+spilled register, no .FTZ; tools/gpu_kernels.py shows every sampler shape), and run on a GPU by the -m gpu tests.
+Split-K over a second grid axis fills the SMs at decode shapes (N / 64 CTAs alone are 40 at N = 2560); the partial
+sums are added in XLA in a fixed order. M is padded to a multiple of 16 and tiled by up to 256 (wgmma's N).
 
 W4A4 / W4A8 on Hopper (the `fp4_gemm` backend's dot with quantized activations): the activations are quantized
 by the reference quantizer (token-wise NVFP4, MXFP8, FP8; an XLA pass, not fused into the kernel), their exact
@@ -187,6 +188,25 @@ def _e2m1_value(c):
     return lax.bitcast_convert_type(bits, F32)
 
 
+def _e2m1_bits_at(codes, shift: int):
+    """The E2M1 codes in bits shift .. shift + 3 of `codes` (int32) as the float32 bits of their value times 2^-126:
+    the magnitude bits (e1 e0 m) become the exponent's two low bits and the mantissa's top bit, the sign bit 31, so
+    that e = 0 gives the subnormal m * 2^-127 and e > 0 2^(e - 127) (1 + m/2), both exactly 2^-126 times E2M1's
+    m * 0.5 and 2^(e - 1) (1 + m/2) (code 8 is -0, as e2m1_decode). Two shifts and one three-input mask per
+    element (SASS) where _e2m1_value's fields, compare and select took ~13 instructions: the K loop issued 18.9
+    SASS instructions per weight element and thread with it, 11.0 with this, _e4m3_bits and the bf16x2 scale
+    multiply (4B q / k / v at M = 16, tools/gpu_kernels.py). Compiled only: XLA:CPU (the interpreter) flushes
+    subnormal operands, a GPU kernel without .FTZ keeps them (tests/test_gpu_kernels.py checks the SASS)."""
+    return ((codes << (22 - shift)) & 0x01C00000) | ((codes << (28 - shift)) & jnp.int32(-(2**31)))
+
+
+def _e4m3_bits(code):
+    """Non-negative E4M3 codes (int32) as the float32 bits of their value times 2^-120: (e4 m3) at bits 20..26,
+    e = 0 the subnormal m * 2^-129 (E4M3's m * 2^-9), else 2^(e - 127) (1 + m/8). One shift (compiled only, as
+    _e2m1_bits_at)."""
+    return code << 20
+
+
 def _e8m0_value(c):
     """2^(c - 127) for E8M0 exponents (int32), flushed at c = 0 and NaN at 255, as MXFP4Tensor.block_values."""
     v = lax.bitcast_convert_type(c << 23, F32)
@@ -276,11 +296,24 @@ def _kernel_call(codes, scales, x, tile_expert, tile_rows, *, tile_m: int, mx: b
                         xt_smem[0][j] = x_smem[:, pl.ds(16 * j, 16)].T
                 for c in range(g):
                     codes = load(c_smem.at[c], plgpu.Layout.WGMMA).astype(I32)
-                    for h, plane in enumerate((codes & 0xF, codes >> 4)):
+                    for h in range(2):  # the low nibbles (block 2c of the chunk), then the high ones (2c + 1)
                         row = load(s_smem.at[c if mx else 2 * c + h], plgpu.Layout.WGMMA.reduce(1))
-                        scale = _e8m0_value(row.astype(I32)) if mx else fmt.e4m3_decode_nonneg(row)
-                        v = _e2m1_value(plane) * lax.broadcast_in_dim(scale, (TILE_N, 16), (0,))
-                        a = (ieee.flush_subnormals(v) if mx else v).astype(BF16)
+                        if mx:
+                            scale = _e8m0_value(row.astype(I32))
+                        elif interpret:
+                            scale = fmt.e4m3_decode_nonneg(row)
+                        else:
+                            scale = lax.bitcast_convert_type(_e4m3_bits(row.astype(I32)), F32) * jnp.float32(2.0**120)
+                        if interpret:
+                            e2m1 = _e2m1_value((codes >> (4 * h)) & 0xF)
+                        else:  # exact: a power of two times a value of at most 2 significant bits
+                            e2m1 = lax.bitcast_convert_type(_e2m1_bits_at(codes, 4 * h), F32) * jnp.float32(2.0**126)
+                        if mx or interpret:
+                            v = e2m1 * lax.broadcast_in_dim(scale, (TILE_N, 16), (0,))
+                            a = (ieee.flush_subnormals(v) if mx else v).astype(BF16)
+                        else:  # e2m1 * s has at most 6 significant bits and is >= 2^-10: exact in bfloat16,
+                            # so two products per bf16x2 multiply give the float32 product's bits
+                            a = e2m1.astype(BF16) * lax.broadcast_in_dim(scale.astype(BF16), (TILE_N, 16), (0,))
                         if regs:
                             plgpu.wgmma(acc_ref, a, x_block(x_smem, 2 * c + h))
                         else:

@@ -73,6 +73,30 @@ def test_weight_layout_holds_each_block_in_one_nibble_plane():
                                                                      if b.dtype.itemsize == 1 else b))
 
 
+def test_the_compiled_kernels_e2m1_decode_gives_every_codes_value_in_both_nibbles():
+    """The compiled kernel's decode (_e2m1_bits_at: bits moved into a float32 that is 2^-126 times the value, then
+    times 2^126; _e4m3_bits likewise for the block scales, times 2^120) for every byte, both nibbles and every
+    scale: the bits of formats.e2m1_decode (-0 for code 8) and e4m3_decode_nonneg, and every product exact in
+    bfloat16 (the kernel multiplies there). The float steps run in NumPy, which keeps the subnormals (code 1, scale
+    codes below 8) before the power of two, as a GPU kernel without .FTZ does; XLA:CPU would flush them (the
+    interpreter keeps the field-by-field decodes for that reason)."""
+    byte = jnp.arange(256, dtype=jnp.int32)
+    codes = jnp.arange(127, dtype=jnp.int32)  # every non-negative finite E4M3 block scale
+    scales = np.asarray(fmt.e4m3_decode_nonneg(codes.astype(jnp.uint8)))
+    scale_bits = np.asarray(jax.jit(fg._e4m3_bits)(codes)).astype(np.int32)
+    np.testing.assert_array_equal((scale_bits.view(np.float32) * np.float32(2.0**120)).view(np.uint32),
+                                  scales.view(np.uint32))
+    for shift in (0, 4):
+        bits = np.asarray(jax.jit(lambda c, s=shift: fg._e2m1_bits_at(c, s))(byte)).astype(np.int32)
+        got = bits.view(np.float32) * np.float32(2.0**126)
+        want = np.asarray(fmt.e2m1_decode(((byte >> shift) & 0xF).astype(jnp.uint8)))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        # The kernel multiplies in bfloat16: every product is a bfloat16 value, so it is the float32 product's.
+        prod = want[:, None] * scales[None]
+        np.testing.assert_array_equal(prod.astype(jnp.bfloat16).astype(np.float32).view(np.uint32),
+                                      prod.view(np.uint32))
+
+
 def test_bad_inputs_are_named():
     q = _weight(64, 64, "nvfp4")
     with pytest.raises(ValueError, match="tensor scaling"):

@@ -162,6 +162,39 @@ def sass_inexact(sass: str) -> dict[str, int]:
     return dict(bad)
 
 
+_SASS_ADDR = re.compile(
+    r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);", re.M)
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):\s*$", re.M)
+
+
+def mma_loop(sass: str) -> dict | None:
+    """The loop around a GEMM kernel's wgmmas (the K loop): the instructions from a backward branch's target to the
+    branch that hold HGMMAs, per wgmma and per weight element each thread handles (a 64 x 16 weight tile per
+    HGMMA over 128 threads: 8), and its opcodes; None without an HGMMA in a loop. A bandwidth-bound decode GEMM is
+    only that while its threads issue few instructions per weight element (docs: experiments/results/
+    mosaic_kernels.md)."""
+    labels, lines = {}, []
+    for line in sass.splitlines():
+        m = _SASS_LABEL.match(line)
+        if m:
+            labels[m.group(1)] = len(lines)  # the index of the next instruction
+            continue
+        m = _SASS_ADDR.match(line)
+        if m:
+            lines.append((m.group(2), m.group(3)))
+    best = None
+    for i, (op, args) in enumerate(lines):
+        target = re.search(r"\((\.L_x_\d+)\)", args) if op.startswith("BRA") else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = lines[labels[target.group(1)]:i + 1]
+            ops = collections.Counter(o.split(".")[0] for o, _ in body)
+            if ops["HGMMA"] and (best is None or len(body) > best["instructions"]):
+                best = {"instructions": len(body), "hgmma": ops["HGMMA"],
+                        "per_weight_element": round(len(body) / (8 * ops["HGMMA"]), 2),
+                        "by_opcode": dict(ops.most_common())}
+    return best
+
+
 _PTX_DEF = re.compile(r"^\s*(?:@%?!?\w+\s+)?([a-z][a-z0-9]*(?:\.[A-Za-z0-9_:]+)*)\s+(%[\w]+)\s*,\s*([^;]*);", re.M)
 
 
@@ -269,12 +302,15 @@ def quantize_configs() -> list[tuple[str, object, tuple]]:
 def row(label: str, k: Kernel) -> dict:
     """A kernel's line of the table / JSON."""
     ops = sass_ops(k.sass) if k.sass is not None else None
+    loop = mma_loop(k.sass) if k.sass is not None else None
     return {"kernel": label, "name": k.name, "registers": k.registers, "spill_bytes": k.spill_bytes,
             "stack_bytes": k.stack_bytes, "ptxas_notes": sorted({n.split()[0] for n in k.notes}),
             "hgmma": None if ops is None else ops["HGMMA"],
             "sass_instructions": None if ops is None else sum(ops.values()),
             "sass_inexact": None if k.sass is None else sass_inexact(k.sass),
-            "ptx_contractible": len(contractible_float_ops(k.ptx))}
+            "ptx_contractible": len(contractible_float_ops(k.ptx)),
+            "k_loop_instructions": None if loop is None else loop["instructions"],
+            "k_loop_per_weight_element": None if loop is None else loop["per_weight_element"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Mosaic GPU kernels compiled for an H200 ({ARCH}) on this CPU machine, jaxlib {gpu_aot._jaxlib_version()}"
           f", ptxas {ptxas_path()}, SASS {'by ' + nvdisasm_path() if nvdisasm_path() else 'not read (no nvdisasm)'}")
     print(f"{'kernel':<58} {'regs':>4} {'spill B':>7} {'HGMMA':>5} {'SASS':>5} {'inexact':>7} {'contract':>8} "
-          f"{'s':>5}  ptxas notes")
+          f"{'/elt':>5} {'s':>5}  ptxas notes")
     rows = []
     for label, fn, fn_args in configs:
         t0 = time.perf_counter()
@@ -304,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             inexact = "-" if r["sass_inexact"] is None else sum(r["sass_inexact"].values())
             hgmma = "-" if r["hgmma"] is None else r["hgmma"]
             print(f"{label:<58} {r['registers']:>4} {r['spill_bytes']:>7} {hgmma:>5} {r['sass_instructions'] or '-':>5}"
-                  f" {inexact:>7} {r['ptx_contractible']:>8} {r['compile_s']:>5}  "
+                  f" {inexact:>7} {r['ptx_contractible']:>8} {r['k_loop_per_weight_element'] or '-':>5}"
+                  f" {r['compile_s']:>5}  "
                   f"{','.join(r['ptxas_notes'])}", flush=True)
     print(json.dumps({"tool": "gpu_kernels", "jaxlib": gpu_aot._jaxlib_version(), "arch": ARCH, "kernels": rows}))
     if args.json:
