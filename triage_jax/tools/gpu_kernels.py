@@ -36,6 +36,7 @@ import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from unittest import mock  # noqa: E402
 
 from triage_jax.tools import gpu_aot  # noqa: E402
 
@@ -99,18 +100,11 @@ def compile_kernels(compile_fn, *, sass: bool = True) -> list[Kernel]:
     before is not built again (nor dumped); with none built this raises rather than report nothing."""
     if ptxas_path() is None:
         raise RuntimeError("no ptxas on this machine: Mosaic GPU assembles its kernels with it")
-    keys = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS")
-    saved = {k: os.environ.get(k) for k in keys}
     with tempfile.TemporaryDirectory() as d:
-        os.environ.update({"MOSAIC_GPU_DUMP_TO": d, "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1"})
-        try:
+        # Mosaic GPU reads these when it builds a kernel; the process's environment is restored after.
+        dump = {"MOSAIC_GPU_DUMP_TO": d, "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1"}
+        with mock.patch.dict(os.environ, dump):
             compile_fn()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         kernels = []
         for path in sorted(glob.glob(os.path.join(d, "*.ptx"))):
             ptx = open(path).read()
