@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-${TRIAGE_GPU_AOT:-.gpu-aot}}
 ver=$(python -c "import jaxlib; print(jaxlib.__version__)")
-nvdisasm_ver=13.2.51  # triage_jax/tools/gpu_kernels.py: NVDISASM_VERSION
+nvdisasm_ver=13.2.51  # the oldest CUDA 13 nvdisasm on PyPI; it reads ptxas 13.0's sm_90a cubins
 if [ ! -x "$dir/nvdisasm/nvidia/cu13/bin/nvdisasm" ]; then
   python -m pip install -q --no-deps --no-compile --target "$dir/nvdisasm" "nvidia-cuda-nvdisasm==$nvdisasm_ver" \
     || echo "gpu_aot: nvidia-cuda-nvdisasm did not install (gpu_kernels reads no SASS without it)"

@@ -298,15 +298,12 @@ def _kernel_call(codes, scales, x, tile_expert, tile_rows, *, tile_m: int, mx: b
                     codes = load(c_smem.at[c], plgpu.Layout.WGMMA).astype(I32)
                     for h in range(2):  # the low nibbles (block 2c of the chunk), then the high ones (2c + 1)
                         row = load(s_smem.at[c if mx else 2 * c + h], plgpu.Layout.WGMMA.reduce(1))
-                        if mx:
-                            scale = _e8m0_value(row.astype(I32))
-                        elif interpret:
-                            scale = fmt.e4m3_decode_nonneg(row)
-                        else:
-                            scale = lax.bitcast_convert_type(_e4m3_bits(row.astype(I32)), F32) * jnp.float32(2.0**120)
-                        if interpret:
+                        if interpret:  # XLA:CPU flushes subnormals: the decodes field by field
+                            scale = _e8m0_value(row.astype(I32)) if mx else fmt.e4m3_decode_nonneg(row)
                             e2m1 = _e2m1_value((codes >> (4 * h)) & 0xF)
-                        else:  # exact: a power of two times a value of at most 2 significant bits
+                        else:  # the bits placed into float32, times a power of two: exact
+                            scale = _e8m0_value(row.astype(I32)) if mx else (
+                                lax.bitcast_convert_type(_e4m3_bits(row.astype(I32)), F32) * jnp.float32(2.0**120))
                             e2m1 = lax.bitcast_convert_type(_e2m1_bits_at(codes, 4 * h), F32) * jnp.float32(2.0**126)
                         if mx or interpret:
                             v = e2m1 * lax.broadcast_in_dim(scale, (TILE_N, 16), (0,))

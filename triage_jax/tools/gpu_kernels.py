@@ -41,13 +41,12 @@ from unittest import mock  # noqa: E402
 from triage_jax.tools import gpu_aot  # noqa: E402
 
 ARCH = "sm_90a"
-NVDISASM_VERSION = "13.2.51"  # the oldest nvidia-cuda-nvdisasm on PyPI for CUDA 13 (.ci/gpu_aot_plugin.sh)
 
 
 def ptxas_path() -> str | None:
     """This machine's ptxas (on PATH or in /usr/local/cuda/bin), which Mosaic GPU's compile also needs."""
-    found = shutil.which("ptxas")
-    return found or next((p for p in ("/usr/local/cuda/bin/ptxas",) if os.access(p, os.X_OK)), None)
+    cuda = "/usr/local/cuda/bin/ptxas"
+    return shutil.which("ptxas") or (cuda if os.access(cuda, os.X_OK) else None)
 
 
 def nvdisasm_path() -> str | None:
@@ -117,7 +116,10 @@ def compile_kernels(compile_fn, *, sass: bool = True) -> list[Kernel]:
     return kernels
 
 
-_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+# One SASS instruction as nvdisasm prints it: /*address*/ [predicate] OPCODE.MODIFIERS operands ;
+_SASS_LINE = re.compile(
+    r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);", re.M)
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):\s*$")
 _FUSED = ("FFMA", "DFMA", "HFMA2", "HFMA", "FFMA2")
 _NOT_FLOAT = ("FENCE", "FLO")  # F-opcodes that are not float arithmetic: a memory fence, find-leading-one
 
@@ -156,11 +158,6 @@ def sass_inexact(sass: str) -> dict[str, int]:
     return dict(bad)
 
 
-_SASS_ADDR = re.compile(
-    r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);", re.M)
-_SASS_LABEL = re.compile(r"^(\.L_x_\d+):\s*$", re.M)
-
-
 def mma_loop(sass: str) -> dict | None:
     """The loop around a GEMM kernel's wgmmas (the K loop): the instructions from a backward branch's target to the
     branch that hold HGMMAs, per wgmma and per weight element each thread handles (a 64 x 16 weight tile per
@@ -173,9 +170,9 @@ def mma_loop(sass: str) -> dict | None:
         if m:
             labels[m.group(1)] = len(lines)  # the index of the next instruction
             continue
-        m = _SASS_ADDR.match(line)
+        m = _SASS_LINE.match(line)
         if m:
-            lines.append((m.group(2), m.group(3)))
+            lines.append(m.groups())
     best = None
     for i, (op, args) in enumerate(lines):
         target = re.search(r"\((\.L_x_\d+)\)", args) if op.startswith("BRA") else None
