@@ -2,6 +2,7 @@
 would otherwise be the first to run - Mosaic GPU's pipeline to PTX and ptxas to SASS for sm_90a - and what is in
 the SASS. Needs jax's CUDA PJRT plugin (`bash .ci/gpu_aot_plugin.sh`, which also brings nvdisasm) and ptxas."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,8 +11,6 @@ import textwrap
 import pytest
 
 from triage_jax.tools import gpu_aot, gpu_kernels
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 needs_compiler = pytest.mark.skipif(
     not gpu_aot.plugin_installed() or gpu_kernels.ptxas_path() is None,
@@ -104,15 +103,13 @@ def test_mosaic_kernels_assemble_for_hopper_without_spills_and_the_quantizers_ro
                 "fp4_matmul gate_up K=2560 N=19456 M=16 mxfp4", "fp4_grouped_matmul E=8 K=2048 N=768 M=64 nvfp4"}
         configs = [c for c in gk.fp4_gemm_configs() if c[0] in keep]
         rows = [gk.row(label, k) for label, fn, args in configs + gk.quantize_configs()
-                for k in gk.kernel_rows(fn, *args)]
+                for k in gk.kernels_of(fn, *args)]
         print(json.dumps({"rows": rows, "sass": gk.nvdisasm_path() is not None}))
     """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=gpu_aot.ROOT, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
     out = json.loads(r.stdout.strip().splitlines()[-1])
     rows = out["rows"]
     gemms = [x for x in rows if x["kernel"].startswith("fp4_")]

@@ -232,8 +232,8 @@ def _weight(n: int, k: int, fmt_name: str = "nvfp4", experts: int | None = None)
     return jax.eval_shape(prep if experts is None else jax.vmap(prep), jax.ShapeDtypeStruct(shape, jnp.float32))
 
 
-def kernel_rows(fn, *args, sass: bool = True) -> list[Kernel]:
-    """jit(fn) on abstract args compiled for the compile-only H200, as the GPU runs Mosaic GPU kernels."""
+def kernels_of(fn, *args, sass: bool = True) -> list[Kernel]:
+    """The Mosaic GPU kernels of jit(fn) on abstract args, compiled for the compile-only H200 as a GPU runs them."""
     import jax
 
     from triage_jax.kernels import mosaic
@@ -268,8 +268,7 @@ def fp4_gemm_configs() -> list[tuple[str, object, tuple]]:
         out.append((f"fp4_matmul gate_up K={k} N={n} M={m} nvfp4 a=registers", regs, (bf16(m, k), _weight(n, k))))
     out.append((f"fp4_matmul gate_up K={k} N={n} M=16 mxfp4", fp4_gemm.fp4_matmul,
                 (bf16(16, k), _weight(n, k, "mxfp4"))))
-    grouped = lambda x, w, g: fp4_gemm.fp4_grouped_matmul(x, w, g)  # noqa: E731
-    out.append(("fp4_grouped_matmul E=8 K=2048 N=768 M=64 nvfp4", grouped,
+    out.append(("fp4_grouped_matmul E=8 K=2048 N=768 M=64 nvfp4", fp4_gemm.fp4_grouped_matmul,
                 (bf16(64, 2048), _weight(768, 2048, experts=8), jax.ShapeDtypeStruct((8,), jnp.int32))))
     return out
 
@@ -325,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, fn, fn_args in configs:
         t0 = time.perf_counter()
-        for k in kernel_rows(fn, *fn_args):
+        for k in kernels_of(fn, *fn_args):
             r = {**row(label, k), "compile_s": round(time.perf_counter() - t0, 1)}
             rows.append(r)
             inexact = "-" if r["sass_inexact"] is None else sum(r["sass_inexact"].values())
