@@ -35,7 +35,21 @@ def inputs(seed: int = 0, rows: int = 64, k: int = 256) -> dict[str, np.ndarray]
     wide = (normal * (2.0 ** rng.integers(-60, 60, (rows, k)))).astype(np.float32)
     sub_scale = (normal * np.float32(1e-4)).astype(np.float32)
     sub_scale[:, :16] = 2688.0  # a large global amax: the other blocks' E4M3 scales go subnormal
-    return {"bf16": bf16, "ties": ties, "zero_tiny": zero_tiny, "heavy": heavy, "wide": wide, "sub_scale": sub_scale}
+    # The scale arithmetic's edges, row by row (row scaling; the tensor's amax is the largest row's): amax below
+    # ~3e-35 (S_dec = 1 / S a subnormal, flushed), amax ~1e-34 with blocks at 1e-2 and 3e-4 of it (S_dec normal,
+    # the block scale times S_dec a subnormal), amax at FLT_MAX (the smallest S, the largest S_dec: 1 / (s * S_dec)
+    # closest to the subnormals), S clamped to FLT_MAX at amax ~ 2688 / FLT_MAX, the smallest normal amax.
+    fmax, tiny = np.finfo(np.float32).max, np.finfo(np.float32).tiny
+    ex = normal / np.abs(normal).max(axis=1, keepdims=True)  # rows with amax 1
+    blocks = np.ones(k // 16, np.float32)
+    blocks[1::3], blocks[2::3] = 1e-2, 3e-4
+    for rows, amax in ((slice(0, 8), 1e-36), (slice(8, 16), 2e-35), (slice(16, 24), 1e-34), (slice(24, 32), fmax),
+                       (slice(32, 40), np.float32(2688.0) / fmax), (slice(40, 48), 1e-30), (slice(48, 56), tiny)):
+        ex[rows] *= np.float32(amax) * np.repeat(blocks, 16)
+    ex[56:] *= np.float32(1e38)
+    extremes = ex.astype(np.float32)
+    return {"bf16": bf16, "ties": ties, "zero_tiny": zero_tiny, "heavy": heavy, "wide": wide, "sub_scale": sub_scale,
+            "extremes": extremes}
 
 
 def _nv(q: fmt.NVFP4Tensor) -> dict:

@@ -3,6 +3,8 @@
 - `ieee.div_rn` is IEEE 754 division, bit for bit against NumPy, subnormals, ties and special values included.
 - The quantizers with the portable divisions that the non-CPU backends run (div_rn elsewhere, div_wide on CUDA)
   give the CPU's bits on every case of tests/quant_cases.py.
+- Their programs as a GPU computes them (CUDA branches, IEEE subnormals kept: tests/ieee_numpy.py, a NumPy
+  evaluation of the jaxpr) give the CPU's bits too: the GPU branches' explicit flushes are the ones they need.
 - The guard for a GPU lowering that this machine can reach: every quantizer exported for CUDA (`jax.export`,
   platforms=["cuda"]; the CPU build of jaxlib lowers for CUDA) holds no float32 division (XLA:GPU's is not
   correctly rounded), no float64 division that LLVM may shrink back to one, and no float add or subtract fed by
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from jax import export
 
+import ieee_numpy
 import quant_cases
 from triage_jax.quant import formats as fmt
 from triage_jax.quant import ieee
@@ -146,11 +149,51 @@ def test_div_wide_is_div_flushed_where_rounding_twice_could_bite():
         assert np.array_equal(got, want), (a[got != want][:4], b[got != want][:4])
 
 
-@pytest.mark.parametrize("division", ["div_rn", "div_wide"])
+# The divisions other platforms run, as ieee.div's stand-in: div_wide (CUDA) with the caller's promises, div_rn
+# without (its operands and results keep their subnormals; the CPU's own FTZ flushes them here).
+_PORTABLE = {"div_rn": lambda a, b, *, flushed=False, normal=False: ieee.div_rn(a, b), "div_wide": ieee.div_wide}
+
+
+@pytest.mark.parametrize("division", sorted(_PORTABLE))
 @pytest.mark.parametrize("case", sorted(quant_cases.inputs()))
 def test_portable_division_gives_the_cpu_bits(case, division):
-    bad = _ops_whose_bits_change(quant_cases.inputs()[case], div=getattr(ieee, division))
+    bad = _ops_whose_bits_change(quant_cases.inputs()[case], div=_PORTABLE[division])
     assert not bad, f"{case}: {division} changes the bits of {bad}"
+
+
+def test_the_numpy_model_keeps_what_the_cpu_flushes():
+    """tests/ieee_numpy.py computes as a GPU does: a subnormal product stays, where XLA:CPU flushes it; the CUDA
+    branch of a platform_dependent is the one taken."""
+    tiny = np.full(4, np.finfo(F32).tiny, F32)
+    fn = lambda v: jax.lax.platform_dependent(v, cpu=lambda u: u * 0.5, cuda=lambda u: u * 0.25)
+    (gpu,) = ieee_numpy.run(fn, tiny)
+    assert (gpu == tiny / F32(4)).all() and (gpu > 0).all()
+    assert (np.asarray(jax.jit(lambda v: v * 0.25)(tiny)) == 0).all()
+
+
+def test_the_nvfp4_scale_divisions_keep_their_promises():
+    """The quotients formats' NVFP4 scale divisions promise normal (ieee.div's `normal`, which spares the GPU
+    their flushes), at their bounds in IEEE float32: 2688 / amax at amax = FLT_MAX (a smaller amax gives a larger
+    S), and 1 / (s * S_dec) at the largest block scale (448) times the largest S_dec (1 / the smallest S)."""
+    fmax, tiny = np.finfo(F32).max, np.finfo(F32).tiny
+    with np.errstate(over="ignore"):
+        s_min = F32(fmt.NVFP4_RANGE) / fmax
+        assert s_min >= tiny
+        s_dec_max = F32(1.0) / s_min
+        assert F32(1.0) / (F32(fmt.E4M3_MAX) * s_dec_max) >= tiny
+
+
+@pytest.mark.parametrize("case", sorted(quant_cases.inputs()))
+def test_the_gpu_branches_with_ieee_subnormals_give_the_cpu_bits(case):
+    """Every quantizer and dequantizer as a GPU computes it (the CUDA branch of each platform_dependent, float32
+    and float64 arithmetic keeping subnormals: tests/ieee_numpy.py evaluates its jaxpr in NumPy) gives the CPU's
+    bits. Under the CPU's own FTZ (the tests above) a flush missing from a GPU branch changes nothing; here the
+    `extremes` case fails without the flush of the input, of S_dec = 1 / S or of the block scale times S_dec."""
+    x = quant_cases.inputs()[case]
+    bad = [op for op in quant_cases.OPS
+           if not all(np.array_equal(quant_cases.bits(np.asarray(a)), quant_cases.bits(np.asarray(b)))
+                      for a, b in zip(quant_cases.run(op, x), ieee_numpy.run(quant_cases.OPS[op], x), strict=True))]
+    assert not bad, f"{case}: the GPU's arithmetic changes the bits of {bad}"
 
 
 def _with_nan_inf() -> np.ndarray:

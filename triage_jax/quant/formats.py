@@ -562,26 +562,33 @@ def mxfp4_fake_quant_kn(w: jax.Array, rounding: str = "floor") -> jax.Array:
 
 
 def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
-    """Encode scale S = min(2688 / amax, FLT_MAX), with S = 1 where amax == 0 or S == 0 (IEEE division: ieee.div)."""
+    """Encode scale S = min(2688 / amax, FLT_MAX), with S = 1 where amax == 0 or S == 0 (IEEE division: ieee.div).
+    amax is no subnormal (stored flushed), so the quotient is 0, Inf or >= 2688 / FLT_MAX ~ 7.9e-36: a normal, the
+    division's promise (ieee.div). A NaN amax (only a given one can be) gives backend-dependent bits, as any
+    float arithmetic on a NaN does (x86 keeps its payload, NVIDIA GPUs return 0x7FFFFFFF)."""
     amax = amax.astype(F32)
-    s = jnp.minimum(ieee.div(jnp.float32(NVFP4_RANGE), amax), FLT_MAX)
+    s = jnp.minimum(ieee.div(jnp.float32(NVFP4_RANGE), amax, flushed=True, normal=True), FLT_MAX)
     return jnp.where((amax == 0) | (s == 0), jnp.float32(1.0), s)
 
 
 def nvfp4_global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(encode scale S, S_dec = 1 / S): the tensor-level factors every NVFP4 quantizer derives from amax."""
+    """(encode scale S, S_dec = 1 / S): the tensor-level factors every NVFP4 quantizer derives from amax. S is a
+    normal (or 1); S_dec is a subnormal, flushed, for S > 2^126 (amax < ~3e-35)."""
     s_enc = nvfp4_global_scale(amax)
-    return s_enc, ieee.recip(s_enc)
+    return s_enc, ieee.recip(s_enc, flushed=True)
 
 
 def nvfp4_block_scales(ba: jax.Array, s_enc: jax.Array, s_dec: jax.Array, recip=None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(E4M3 block scale as float32, its code, element multiplier inv) from block amaxes ba, in TE's order:
     s = e4m3(min(ba * (S * (1/6)), 448)) (TE folds 1/6 into S first), inv = min(1 / (s * S_dec), FLT_MAX).
-    `recip` (default ieee.recip) is the reciprocal; a kernel body passes a platform-free one (ieee.div_flushed)."""
-    recip = ieee.recip if recip is None else recip
+    `recip` (default ieee.recip) is the reciprocal; a kernel body passes a platform-free one (ieee.div_flushed).
+    s * S_dec may underflow (flushed: inv = FLT_MAX), but never exceeds 448 / fl(2688 / FLT_MAX) ~ 5.7e37 < 2^126,
+    so 1 / (s * S_dec) is Inf or a normal: the default reciprocal's promise (ieee.div)."""
     scale_f32, code = e4m3_round_nonneg(jnp.minimum(ba * (s_enc * jnp.float32(1.0 / 6.0)), E4M3_MAX))
-    return scale_f32, code, jnp.minimum(recip(scale_f32 * s_dec), FLT_MAX)
+    product = scale_f32 * s_dec
+    inv = ieee.recip(product, normal=True) if recip is None else recip(product)
+    return scale_f32, code, jnp.minimum(inv, FLT_MAX)
 
 
 def nvfp4_decode_factor(amax: jax.Array) -> jax.Array:
@@ -609,7 +616,8 @@ def amax_from_blocks(ba: jax.Array, scaling: Scaling) -> jax.Array:
     ba = jnp.maximum(ba, jnp.float32(0.0))
     amax = jnp.max(ba, axis=-1, keepdims=True) if scaling == "row" else jnp.max(ba)
     # On a CPU the max of subnormals (all counting as zero) can be any of them; the stored amax is then 0.
-    return ieee.flush_subnormals(amax)
+    # Elsewhere the quantizers' inputs are flushed already (ieee.ftz_int), so their max is no subnormal.
+    return jax.lax.platform_dependent(amax, cpu=ieee.flush_subnormals, default=lambda v: v)
 
 
 # Below this many elements, nvfp4_fake_quant on a GPU takes its block amaxes from strided slices (see

@@ -12,6 +12,8 @@ the canonical quiet NaN (payloads are not propagated). On CUDA `div` divides in 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -150,7 +152,7 @@ def _widen(x: jax.Array) -> jax.Array:
         return x.astype(jnp.float64) * jnp.float64(_WIDE_SCALE)
 
 
-def div_wide(a: jax.Array, b: jax.Array) -> jax.Array:
+def div_wide(a: jax.Array, b: jax.Array, *, flushed: bool = False, normal: bool = False) -> jax.Array:
     """div_flushed's bits from one float64 division: the operands flushed and widened (exactly), divided (PTX
     `div.rn.f64`, IEEE on every NVIDIA GPU), the quotient rounded to float32 and flushed.
 
@@ -159,29 +161,42 @@ def div_wide(a: jax.Array, b: jax.Array) -> jax.Array:
     (53 >= 50; Figueroa, "When is double rounding innocuous?", 1995), subnormal float32 results included. The
     widened operands are normal float64s (or zero, Inf, NaN), and their quotient is the operands' own, a normal
     float64 where it is finite and not zero, so a backend's FTZ / DAZ for float64 changes nothing. A NaN result is
-    the canonical quiet NaN, as div_rn's."""
+    the canonical quiet NaN, as div_rn's.
+
+    What the caller knows drops work (see `div`): `flushed`, no operand is a subnormal (no operand flushes);
+    `normal`, the quotient is never a float32 subnormal nor NaN (no result flush, no NaN canonicalization)."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    wa, wb = _widen(flush_subnormals(a)), _widen(flush_subnormals(b))
+    if not flushed:
+        a, b = flush_subnormals(a), flush_subnormals(b)
+    wa, wb = _widen(a), _widen(b)
     with jax.enable_x64(True):
         q = (wa / wb).astype(jnp.float32)
+    if normal:
+        return q
     q = flush_subnormals(q)
     return jnp.where(jnp.isnan(q), jax.lax.bitcast_convert_type(U32(_QNAN), jnp.float32), q)
 
 
-def div(a: jax.Array, b: jax.Array) -> jax.Array:
+def div(a: jax.Array, b: jax.Array, *, flushed: bool = False, normal: bool = False) -> jax.Array:
     """a / b as XLA:CPU divides, on every backend: correctly rounded (IEEE), subnormal operands and results
     flushed to zero. On a CPU that is its own float32 division (LLVM `fdiv` under FTZ/DAZ, ~1.5x faster there than
     div_rn's integer long division); on CUDA div_wide (a float64 division: XLA:GPU spends ~0.1 s of compile on
     each of div_rn's integer long divisions, ~12 per layer of a W4A4 sampler); elsewhere div_rn between flushes.
     One program picks its branch by the platform it is lowered for. Divisors here are data: XLA rewrites only a
-    division by a compile-time constant as a multiplication by its reciprocal."""
+    division by a compile-time constant as a multiplication by its reciprocal.
+
+    `flushed` (no operand is a float32 subnormal) and `normal` (the quotient is never a subnormal nor NaN) are the
+    caller's promises, which spare CUDA's branch its flushes (each is ops that XLA:GPU's fusion passes cost-model:
+    the NVFP4 scale divisions' promises cut a 4B W4A4 decode round's compile by ~10%). A broken promise changes bits
+    off the CPU only: tests/test_quant_ieee.py evaluates the GPU branch with IEEE subnormals to hold them."""
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, cuda=div_wide, default=div_flushed)
+    return jax.lax.platform_dependent(a, b, cpu=jnp.divide, default=div_flushed,
+                                      cuda=functools.partial(div_wide, flushed=flushed, normal=normal))
 
 
-def recip(b: jax.Array) -> jax.Array:
-    """1 / b, as `div`."""
-    return div(jnp.float32(1.0), b)
+def recip(b: jax.Array, *, flushed: bool = False, normal: bool = False) -> jax.Array:
+    """1 / b, as `div` (with its promises)."""
+    return div(jnp.float32(1.0), b, flushed=flushed, normal=normal)
 
 
 def rounded(x: jax.Array) -> jax.Array:
