@@ -181,7 +181,8 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     own (a slice of an [L] array is copied out before a GEMM fusion reads it: two copies a layer). A layer's keys
     and values are written by one scatter (one buffer; 2 more scatters a step store the drawn tokens and log-probs).
     A scan_layers=True model decodes with its layers in a loop (prepare_model(unstack=False)): its per-step count
-    runs the loop's launches once per layer, among them the copies of each layer's weights out of the stack."""
+    runs the loop's launches once per layer, among them the copies of each layer's weights out of the stack. The
+    tool's prefill compile (`--prefill`) builds the engine's first prefill program for the H200 too."""
     out = _run("""
         import json
         from triage_jax.tools import gpu_aot
@@ -193,9 +194,12 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
             for s, kv in (("bf16", "bf16"), ("w4a16:fp4_gemm", "bf16"), ("bf16", "fp8"))])
         rows.append(gpu_aot.decode_step("qwen3_0_6b", "bf16", 16, capacity=128, prompt_len=32, device=dev,
                                         overrides=dict(small, scan_layers=True)))
-        print(json.dumps({"rows": rows, "passes": sorted(seconds)}))
+        prefill = gpu_aot.prefill_step("qwen3_0_6b", "w4a4", 16, capacity=128, prompt_len=32, device=dev,
+                                       overrides=small)  # the tool's --prefill: the first call's other program
+        print(json.dumps({"rows": rows, "passes": sorted(seconds), "prefill": prefill}))
     """)
     bf16, fp4, fp8, scanned = out["rows"]
+    assert out["prefill"]["prefill_rows"] == [8, 32] and out["prefill"]["prefill_compile_s"] > 0, out["prefill"]
     assert {"priority-fusion", "PTX->CUBIN"} <= set(out["passes"]), out["passes"]  # XLA:GPU's, by name
     assert fp8["command_buffers"] == 1 and fp8["outside_graphs"] == 0, fp8
     assert fp8["launches"] == bf16["launches"] and fp8["by_kind"] == bf16["by_kind"], (fp8, bf16)

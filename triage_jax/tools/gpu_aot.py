@@ -279,19 +279,15 @@ def fusion_outputs(hlo: str) -> dict[str, int]:
     return out
 
 
-def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
-                device=None, overrides: dict | None = None, kv_cache: str = "bf16", xla_options: tuple = ()) -> dict:
-    """The kernels one decode step of the engine launches on `device` (default: a compile-only H200), for the
-    model config `model_name` (random init, bf16; nothing materialized: the weights stay abstract; `overrides`
-    of its fields, e.g. scan_layers=True), the sampler `sampler`: <preset>[:<backend>] (a sampler preset, a
-    quantization backend; default xla), the KV cache format `kv_cache` and the engine's `xla_options`."""
+def _engine(model_name: str, sampler: str, batch: int, capacity: int, prompt_len: int, kv_cache: str,
+            overrides: dict | None, xla_options: tuple):
+    """(engine, model config) of decode_step / prefill_step: the model config `model_name` (random init, bf16,
+    abstract weights; `overrides` of its fields), the sampler <preset>[:<backend>] (default backend xla)."""
     from flax import nnx
 
     from triage_jax import models
     from triage_jax import sampler as sm
-    from triage_jax.kernels import mosaic
 
-    device = device or h200()
     preset, _, backend = sampler.partition(":")
     policy = sm.sampler_policy(preset, backend=backend or "xla", kv_cache=kv_cache)
     cfg = models.get_model_config(model_name, dtype="bfloat16", param_dtype="bfloat16", **(overrides or {}))
@@ -300,6 +296,19 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
                        sm.EngineConfig(max_slots=batch, max_len=capacity, max_prompt_len=prompt_len,
                                        xla_options=tuple(xla_options)),
                        policy=policy, model=model)
+    return engine, cfg
+
+
+def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
+                device=None, overrides: dict | None = None, kv_cache: str = "bf16", xla_options: tuple = ()) -> dict:
+    """The kernels one decode step of the engine launches on `device` (default: a compile-only H200), for the
+    model config `model_name` (random init, bf16; nothing materialized: the weights stay abstract; `overrides`
+    of its fields, e.g. scan_layers=True), the sampler `sampler`: <preset>[:<backend>] (a sampler preset, a
+    quantization backend; default xla), the KV cache format `kv_cache` and the engine's `xla_options`."""
+    from triage_jax.kernels import mosaic
+
+    device = device or h200()
+    engine, cfg = _engine(model_name, sampler, batch, capacity, prompt_len, kv_cache, overrides, xla_options)
     t0 = time.perf_counter()
     with mosaic.lowering_for_gpu():  # the fp4_gemm backend's kernel, as a GPU runs it
         out = compile_dumped(lambda opts: engine.compile_decode(batch, capacity, jax.random.key(0), device=device,
@@ -317,6 +326,37 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
             "layers": cfg.num_hidden_layers, "scan_layers": cfg.scan_layers, "xla_options": dict(xla_options),
             "steps_per_round": steps, "compile_s": round(compile_s, 1), **body,
             "launches_per_layer": round(body["launches"] / cfg.num_hidden_layers, 1)}
+
+
+def prefill_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
+                 device=None, overrides: dict | None = None, kv_cache: str = "bf16", xla_options: tuple = ()) -> dict:
+    """Seconds to trace and lower, and to compile, the prefill a generate runs first (the engine's prefill_batch
+    prompts of `prompt_len` tokens; arguments as decode_step's) for `device`. A generate's first call compiles
+    it beside the decode round, on threads of its own (`Engine._first_round_programs`): the first call waits for
+    the slower of the two."""
+    from triage_jax import sampler as sm
+    from triage_jax.kernels import mosaic
+    from triage_jax.models import kv_cache as kvc
+
+    device = device or h200()
+    engine, _ = _engine(model_name, sampler, batch, capacity, prompt_len, kv_cache, overrides, xla_options)
+    combined = sm.combined_kv(engine.config.kv_layout, device.platform)
+    options = sm.program_options(engine.config.xla_options, engine.policy.kv_cache, combined)
+    rows = (engine.prefill_batch, prompt_len)
+    scales = engine._abstract_slots(batch, capacity, combined).cache.k_scale
+    temperature, _, _ = sm._hyper(engine.cfg)
+    args = (engine.state, jax.ShapeDtypeStruct(rows, jnp.int32), jax.ShapeDtypeStruct(rows, jnp.bool_), scales,
+            scales, temperature)
+    args = sm._abstract(args, jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), args))
+    t0 = time.perf_counter()
+    with mosaic.lowering_for_gpu(), engine._context():
+        lowered = sm._prefill.with_options(options).lower(
+            engine._graph, *args, policy=engine.policy, capacity=-(-prompt_len // kvc.BLOCK) * kvc.BLOCK,
+            kv_format=engine.policy.kv_cache, record_routing=engine.record_routing, kv_combined=combined)
+        t1 = time.perf_counter()
+        lowered.compile()
+    return {"prefill_rows": list(rows), "prefill_lower_s": round(t1 - t0, 1),
+            "prefill_compile_s": round(time.perf_counter() - t1, 1)}
 
 
 def h200s(count: int) -> list:
@@ -390,14 +430,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="compile for this process's first device instead (on a GPU machine: its own XLA; no plugin)")
     ap.add_argument("--passes", type=int, default=0,
                     help="decode: also the N compile stages / XLA passes that took longest (JAX's profiler)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="decode: also compile the prefill a generate runs first (its first call compiles it beside "
+                         "the decode round and waits for the slower)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # compile-only programs: nothing to reuse
     if args.passes < 0:
         ap.error(f"--passes {args.passes}: a count of passes, >= 0")
     if args.what == "learner":
-        if args.passes or args.scan_layers or args.xla_option:
-            ap.error("--passes, --scan-layers and --xla-option are for decode (learner: --scan)")
+        if args.passes or args.scan_layers or args.xla_option or args.prefill:
+            ap.error("--passes, --scan-layers, --xla-option and --prefill are for decode (learner: --scan)")
         if args.local:
             ap.error("learner compiles for compile-only H200s (--devices of them); --local is for decode")
         return _learner_table(args)
@@ -417,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode step on {where}, XLA of jaxlib {_jaxlib_version()}, {args.kv_cache} KV cache: kernels "
           "launched per step")
     print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6} {'ungraphed':>9}"
-          f" {'compile s':>9}  most")
+          f" {'compile s':>9}" + (f" {'prefill s':>9}" if args.prefill else "") + "  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
             step = lambda: decode_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache,  # noqa: E731
@@ -428,10 +471,15 @@ def main(argv: list[str] | None = None) -> int:
                 r["slowest_passes_s"] = {k: round(v, 2) for k, v in list(seconds.items())[:args.passes]}
             else:
                 r = step()
+            if args.prefill:
+                r.update(prefill_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache,
+                                      overrides={"scan_layers": True} if args.scan_layers else None,
+                                      xla_options=options))
             rows.append(r)
             top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
+            pre = f" {r['prefill_compile_s']:>9}" if args.prefill else ""
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
-                  f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {r['compile_s']:>9}  {top}", flush=True)
+                  f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {r['compile_s']:>9}{pre}  {top}", flush=True)
             if args.passes:
                 print(" " * 13 + "slowest: " + ", ".join(f"{k} {v} s" for k, v in r["slowest_passes_s"].items()))
     return _emit("decode", rows, args.json)
