@@ -181,7 +181,7 @@ def _mxfp8_kernel(x_ref, data_ref, scale_ref):
         e, factor = fmt.mxfp8_block_exponent(amax, ftz=ieee.flush_subnormals)
         scale_ref[b] = e.astype(jnp.uint8)
         for j, r in enumerate(rows):
-            data_ref[fmt.MXFP8_BLOCK * b + j] = jax.lax.bitcast_convert_type(fmt.e4m3_cast(r * factor), jnp.uint8)
+            data_ref[fmt.MXFP8_BLOCK * b + j] = jax.lax.bitcast_convert_type(fmt.e4m3_convert(r * factor), jnp.uint8)
 
 
 def _mxfp8_cols(xt: jax.Array, *, interpret, block_g: int, block_n: int) -> fmt.MXFP8Tensor:

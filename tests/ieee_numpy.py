@@ -2,9 +2,11 @@
 flushes them: FTZ / DAZ), and the CUDA branch of every `lax.platform_dependent`.
 
 It lets the CPU check the quantizers' GPU branches where the CPU's own arithmetic cannot: an explicit flush missing
-there changes nothing under the CPU's FTZ, but changes the bits here (tests/test_quant_ieee.py). What it does not
-model: FMA contraction (tests/test_quant_ieee.py's `cuda_hazards` guards that) and float8 / float4 converts, which
-it rounds as ml_dtypes does (round to nearest even). NumPy sets no FTZ / DAZ, so its float32 and float64 operations
+there changes nothing under the CPU's FTZ, but changes the bits here (tests/test_quant_ieee.py). A chain of float
+converts (f32 -> f8 -> f32, f32 -> bf16 -> f32, ...) is one convert from the chain's first input, as XLA:GPU's
+simplify-fp-conversions pass makes it under the default xla_allow_excess_precision (XLA:CPU keeps each rounding).
+What it does not model: FMA contraction (tests/test_quant_ieee.py's `cuda_hazards` guards that); float8 / float4
+converts round as ml_dtypes does (round to nearest even). NumPy sets no FTZ / DAZ, so its float32 and float64 operations
 are IEEE's (checked by `_check_numpy_keeps_subnormals`)."""
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maxi
            "shift_right_arithmetic": lambda a, b: _shift(a, b, "right_arithmetic")}
 
 
+def _along_chain(x, fn):
+    """fn(x), and where x ends a float convert chain, fn of the chain's source as the output's source."""
+    out = fn(x)
+    if id(x) in _CHAIN:
+        _CHAIN[id(out)] = (out, fn(_CHAIN[id(x)][1]))
+    return out
+
+
 def _div(a, b):
     if a.dtype.kind == "f":
         return np.divide(a, b)
@@ -113,21 +123,29 @@ def _eval_eqn(eqn, ins):
     if name == "round":
         return [_round(ins[0], p["rounding_method"])]
     if name == "convert_element_type":
-        return [_convert(ins[0], p["new_dtype"])]
+        x, dtype = ins[0], np.dtype(p["new_dtype"])
+        if not (_is_float_dtype(x.dtype) and _is_float_dtype(dtype)):
+            return [_convert(x, dtype)]
+        # XLA:GPU's simplify-fp-conversions (under its default xla_allow_excess_precision): a chain of float
+        # converts is one convert of the chain's first input, whatever the types in between round to.
+        source = _CHAIN.get(id(x), (None, x))[1]
+        out = _convert(source, dtype)
+        _CHAIN[id(out)] = (out, source)  # the output held too: its id is not reused while the entry lives
+        return [out]
     if name == "bitcast_convert_type":
         return [ins[0].view(np.dtype(p["new_dtype"]))]
     if name == "broadcast_in_dim":
         x, shape, dims = ins[0], p["shape"], p["broadcast_dimensions"]
         expanded = np.reshape(x, [x.shape[dims.index(d)] if d in dims else 1 for d in range(len(shape))])
         return [np.broadcast_to(expanded, shape)]
-    if name == "reshape":
-        return [np.reshape(ins[0], p["new_sizes"])]
+    if name == "reshape":  # a layout change XLA moves converts across: a convert chain's source goes along
+        return [_along_chain(ins[0], lambda a: np.reshape(a, p["new_sizes"]))]
     if name == "squeeze":
         return [np.squeeze(ins[0], axis=tuple(p["dimensions"]))]
     if name == "expand_dims":
         return [np.expand_dims(ins[0], p["dimensions"])]
     if name == "transpose":
-        return [np.transpose(ins[0], p["permutation"])]
+        return [_along_chain(ins[0], lambda a: np.transpose(a, p["permutation"]))]
     if name == "slice":
         strides = p["strides"] or (1,) * ins[0].ndim
         return [ins[0][tuple(slice(a, b, s) for a, b, s in zip(p["start_indices"], p["limit_indices"], strides))]]
@@ -156,6 +174,10 @@ def _eval_eqn(eqn, ins):
         outs = eqn.primitive.bind(*ins, **p)
         return [np.asarray(o) if not _is_key(o) else o for o in (outs if eqn.primitive.multiple_results else [outs])]
     raise NotImplementedError(f"ieee_numpy: no NumPy rule for {name!r}")
+
+
+def _is_float_dtype(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, np.floating)  # ml_dtypes' bfloat16 / float8 / float4 included
 
 
 def _is_float(aval) -> bool:
@@ -197,8 +219,14 @@ def _check_numpy_keeps_subnormals() -> None:
         raise RuntimeError("NumPy flushes subnormals in this process (FTZ / DAZ set): the GPU model would be wrong")
 
 
+_CHAIN: dict[int, tuple] = {}  # id(a float convert's output) -> (that output, the first input of its convert chain)
+
+
 def run(fn, *args) -> list[np.ndarray]:
     """fn's outputs (flattened) on host arrays, computed as a GPU computes its CUDA branch (see the module)."""
     _check_numpy_keeps_subnormals()
-    return evaluate(jax.make_jaxpr(fn)(*args), *args)
+    try:
+        return evaluate(jax.make_jaxpr(fn)(*args), *args)
+    finally:
+        _CHAIN.clear()
 

@@ -162,9 +162,30 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def e4m3_cast(y: jax.Array) -> jax.Array:
-    """Round-to-nearest-even cast to E4M3 after clipping (the cast itself is not saturating)."""
+def e4m3_convert(y: jax.Array) -> jax.Array:
+    """Round-to-nearest-even cast to E4M3 after clipping (the cast itself is not saturating); the bare convert,
+    for kernel bodies (no platform branch). Elsewhere use e4m3_cast."""
     return jnp.clip(y, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def e4m3_cast(y: jax.Array) -> jax.Array:
+    """e4m3_convert's E4M3 data, on every backend. Off the CPU the value is rounded first (e4m3_value, integer
+    arithmetic) and then converted, exactly: XLA:GPU's simplify-fp-conversions pass (on under its default
+    xla_allow_excess_precision) collapses a chain of float converts such as f32 -> f8 -> f32 or f32 -> f8 -> bf16
+    within one program into one convert, which drops the E4M3 rounding wherever the data is dequantized or fed to a
+    GEMM in the program that quantized it (an MXFP8 / FP8 operand of the xla backend was not quantized at all on an
+    H200, deviceless compile). Of a rounded value the collapsed chain is that value (docs/numerics.md, "GPU")."""
+    return jax.lax.platform_dependent(y, cpu=e4m3_convert, default=lambda v: e4m3_convert(e4m3_value(v)))
+
+
+def e4m3_value(y: jax.Array) -> jax.Array:
+    """The float32 value of e4m3_convert(y): y clipped to +-448 and rounded to nearest even in integer arithmetic
+    (e4m3_round_nonneg of |y|, y's sign put back: -0 stays -0), NaN kept."""
+    y = jnp.clip(y.astype(F32), -E4M3_MAX, E4M3_MAX)
+    value, _ = e4m3_round_nonneg(jnp.abs(y))
+    sign = jax.lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0x80000000)
+    signed = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(value, jnp.uint32) | sign, F32)
+    return jnp.where(jnp.isnan(y), y, signed)
 
 
 def e4m3_round_nonneg(v: jax.Array) -> tuple[jax.Array, jax.Array]:
