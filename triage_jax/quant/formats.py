@@ -594,7 +594,7 @@ def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
 
 def nvfp4_global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(encode scale S, S_dec = 1 / S): the tensor-level factors every NVFP4 quantizer derives from amax. S is a
-    normal (or 1); S_dec is a subnormal, flushed, for S > 2^126 (amax < ~3e-35)."""
+    normal (or 1); S_dec is flushed to 0 where 1 / S is a subnormal (S > 2^126: amax < ~3e-35)."""
     s_enc = nvfp4_global_scale(amax)
     return s_enc, ieee.recip(s_enc, flushed=True)
 
