@@ -51,17 +51,8 @@ def _convert(x, dtype):
     return x.astype(dtype)
 
 
-def _clz(x):
-    width = x.dtype.itemsize * 8
-    u = x.view(np.dtype(f"u{x.dtype.itemsize}")).astype(np.uint64)
-    n = np.zeros(u.shape, np.int64)
-    for bit in range(width - 1, -1, -1):
-        n = np.where((n == width - 1 - bit) & (((u >> np.uint64(bit)) & np.uint64(1)) == 0), n + 1, n)
-    return n.astype(x.dtype)
-
-
 _UNARY = {"abs": np.abs, "neg": np.negative, "sign": np.sign, "floor": np.floor, "ceil": np.ceil,
-          "not": lambda x: np.logical_not(x) if x.dtype == np.bool_ else np.invert(x), "clz": _clz,
+          "not": lambda x: np.logical_not(x) if x.dtype == np.bool_ else np.invert(x),
           "is_finite": np.isfinite, "sqrt": np.sqrt, "copy": np.copy, "copy_p": np.copy}
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
            "and": lambda a, b: np.logical_and(a, b) if a.dtype == np.bool_ else a & b,

@@ -816,6 +816,26 @@ class Engine:
                 self._graph, *args, policy=self.policy, st=self.st, steps=self.config.steps_per_round,
                 fixed=fixed).compile(compiler_options)
 
+    def compile_prefill(self, prompt_len: int, device, compiler_options=None):
+        """The prefill of `prefill_batch` prompts of `prompt_len` tokens, compiled for `device` (no mesh; the weights
+        may be abstract), as compile_decode(device=...) compiles the decode round: e.g. a compile-only H200 of
+        tools/gpu_aot.py. A generate's first call compiles this program beside its decode round."""
+        if self.mesh is not None:
+            raise ValueError("compile_prefill(device=...) compiles for one device; this engine has a mesh")
+        combined = combined_kv(self.config.kv_layout, device.platform)
+        options = program_options(self.config.xla_options, self.policy.kv_cache, combined)
+        rows = (self.prefill_batch, prompt_len)
+        scales = self._abstract_slots(self.config.max_slots, self.config.max_len, combined).cache.k_scale
+        temperature, _, _ = _hyper(self.cfg)
+        args = (self.state, jax.ShapeDtypeStruct(rows, jnp.int32), jax.ShapeDtypeStruct(rows, jnp.bool_), scales,
+                scales, temperature)
+        args = _abstract(args, jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), args))
+        with self._context():
+            return _prefill.with_options(options).lower(
+                self._graph, *args, policy=self.policy, capacity=-(-prompt_len // kvc.BLOCK) * kvc.BLOCK,
+                kv_format=self.policy.kv_cache, record_routing=self.record_routing, kv_combined=combined
+            ).compile(compiler_options)
+
     def _generate(self, prompts, key, n: int) -> SampleOutput:
         c, st, s = self.config, self.st, self.config.max_slots
         temperature, top_p, stop_s = _hyper(self.cfg)

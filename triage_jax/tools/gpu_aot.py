@@ -330,33 +330,19 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
 
 def prefill_step(model_name: str, sampler: str, batch: int, capacity: int = 512, prompt_len: int = 256,
                  device=None, overrides: dict | None = None, kv_cache: str = "bf16", xla_options: tuple = ()) -> dict:
-    """Seconds to trace and lower, and to compile, the prefill a generate runs first (the engine's prefill_batch
-    prompts of `prompt_len` tokens; arguments as decode_step's) for `device`. A generate's first call compiles
-    it beside the decode round, on threads of its own (`Engine._first_round_programs`): the first call waits for
-    the slower of the two."""
-    from triage_jax import sampler as sm
+    """Seconds to trace, lower and compile (as decode_step's compile_s) the prefill a generate runs first (the
+    engine's prefill_batch prompts of `prompt_len` tokens; arguments as decode_step's) for `device`. A generate's
+    first call compiles it beside the decode round, on threads of its own (`Engine._first_round_programs`): the
+    first call waits for the slower of the two."""
     from triage_jax.kernels import mosaic
-    from triage_jax.models import kv_cache as kvc
 
     device = device or h200()
     engine, _ = _engine(model_name, sampler, batch, capacity, prompt_len, kv_cache, overrides, xla_options)
-    combined = sm.combined_kv(engine.config.kv_layout, device.platform)
-    options = sm.program_options(engine.config.xla_options, engine.policy.kv_cache, combined)
-    rows = (engine.prefill_batch, prompt_len)
-    scales = engine._abstract_slots(batch, capacity, combined).cache.k_scale
-    temperature, _, _ = sm._hyper(engine.cfg)
-    args = (engine.state, jax.ShapeDtypeStruct(rows, jnp.int32), jax.ShapeDtypeStruct(rows, jnp.bool_), scales,
-            scales, temperature)
-    args = sm._abstract(args, jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), args))
     t0 = time.perf_counter()
-    with mosaic.lowering_for_gpu(), engine._context():
-        lowered = sm._prefill.with_options(options).lower(
-            engine._graph, *args, policy=engine.policy, capacity=-(-prompt_len // kvc.BLOCK) * kvc.BLOCK,
-            kv_format=engine.policy.kv_cache, record_routing=engine.record_routing, kv_combined=combined)
-        t1 = time.perf_counter()
-        lowered.compile()
-    return {"prefill_rows": list(rows), "prefill_lower_s": round(t1 - t0, 1),
-            "prefill_compile_s": round(time.perf_counter() - t1, 1)}
+    with mosaic.lowering_for_gpu():  # the fp4_gemm backend's kernel, as a GPU runs it
+        engine.compile_prefill(prompt_len, device)
+    seconds = round(time.perf_counter() - t0, 1)
+    return {"prefill_rows": [engine.prefill_batch, prompt_len], "prefill_compile_s": seconds}
 
 
 def h200s(count: int) -> list:
