@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from triage_jax.tools import dryrun
+from triage_jax.tools import dryrun, gpu_aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,6 +57,30 @@ def test_dryrun_tiny_moe_on_simulated_expert_mesh():
     # tiny_moe's float32 Adam moments are twice its parameters, both split over the 8 devices.
     p, o = float(rows["learner remat=full attn=xla"][0]), float(rows["learner remat=full attn=xla"][1])
     assert o == pytest.approx(2 * p, abs=0.011)
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: two learner compiles
+@pytest.mark.skipif(not gpu_aot.plugin_installed(), reason="jax's CUDA PJRT plugin not installed: bash .ci/gpu_aot_plugin.sh")
+def test_dryrun_h200_target_compiles_for_compile_only_h200s():
+    """--target=h200 compiles the learner step with XLA:GPU for as many compile-only H200s as the mesh has (not the
+    config's sampler_devices), sharded as on the CPU target: the same per-device parameters and optimizer state."""
+    args = ("--config=configs/tiny.py", "--mesh=fsdp=2", "--seq_len=16", "--prompt_len=8", "--skip_decode")
+    gpu, cpu = _dryrun(*args, "--target=h200"), _dryrun(*args)
+    assert gpu.returncode == 0, gpu.stderr[-3000:]
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    assert "on 2 simulated H200 (compile-only) devices" in gpu.stdout
+    assert "on 2 simulated cpu devices" in cpu.stdout
+    (g,), (c,) = _table(gpu.stdout).values(), _table(cpu.stdout).values()
+    assert g[:2] == c[:2] and float(g[0]) > 0  # params, optimizer state
+    assert float(g[3]) > 0  # the GPU program's temporaries
+
+
+def test_dryrun_h200_target_without_the_plugin_says_how_to_get_it():
+    out = _dryrun("--config=configs/tiny.py", "--mesh=fsdp=2", "--seq_len=8", "--prompt_len=8", "--skip_decode",
+                  "--target=h200", env_extra={"TRIAGE_GPU_AOT": os.path.join(ROOT, "no-such-plugin")})
+    assert out.returncode != 0
+    assert "--target=h200 needs jax's CUDA PJRT plugin" in out.stderr and "gpu_aot_plugin.sh" in out.stderr
+    assert "compiling" not in out.stdout  # refused before any compile
 
 
 def test_dryrun_rejects_a_batch_that_does_not_split():

@@ -344,3 +344,34 @@ def test_the_learner_compile_tool_compiles_the_configs_learner_scanned_and_unrol
     assert (scanned["scan_layers"], unrolled["scan_layers"]) == (True, False)
     assert scanned["layers"] == unrolled["layers"] == 4 and scanned["devices"] == 2
     assert unrolled["hlo_instructions"] > 2 * scanned["hlo_instructions"], (scanned, unrolled)
+
+
+@needs_plugin
+def test_the_insertions_row_copy_on_an_h200_mesh_gathers_no_buffer():
+    """The engine's insertion copies prompt rows of a prefill cache split over the batch devices into slots.
+    XLA:GPU partitions a gather of one row of a split axis (jnp.take, dynamic_slice) as an all-gather of the whole
+    buffer, in every step of the insertion's loop: on 64 H200s the 30B-A3B's insertion held every layer's whole
+    prefill cache, 96 GB per device (tools/dryrun.py --target=h200). kv_cache.copy_rows fetches the row as a masked
+    sum under such a mesh: each device reads its own rows, one all-reduce of a row, temporaries of a row."""
+    out = _run("""
+        import json
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from triage_jax import sharding as shd
+        from triage_jax.models import kv_cache
+        from triage_jax.tools import gpu_aot
+
+        mesh = shd.make_mesh({"fsdp": 4}, gpu_aot.h200s(4))
+        rows = NamedSharding(mesh, shd.logical_to_mesh((None, "batch"), shd.DEFAULT_RULES, mesh))
+        buf = jax.ShapeDtypeStruct((2, 16, 4, 256, 64), jnp.bfloat16, sharding=rows)  # combined [2, slots, ...]
+        src = jax.ShapeDtypeStruct((2, 16, 4, 128, 64), jnp.bfloat16, sharding=rows)  # the prefill's rows, split
+        idx = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=shd.replicated(mesh))
+        with shd.activate(mesh):
+            c = jax.jit(lambda b, s, sm, rm: kv_cache.copy_rows(b, s, sm, rm, lead=1), donate_argnums=0).lower(
+                buf, src, idx, idx).compile()
+        text = c.as_text()
+        print(json.dumps({"all_gather": text.count("all-gather"), "all_reduce": text.count("all-reduce"),
+                          "temp": c.memory_analysis().temp_size_in_bytes}))
+    """)
+    assert out["all_gather"] == 0 and out["all_reduce"] > 0, out
+    assert out["temp"] < 2 * 16 * 4 * 128 * 64 * 2 // 4, out  # less than one device's share of the source

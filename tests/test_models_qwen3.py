@@ -334,6 +334,40 @@ def test_cache_scatters_move_bits_exactly_and_stay_in_place(dtype):
 
 
 
+@pytest.mark.parametrize("dtype,last", [(jnp.float32, 8), (jnp.bfloat16, 8), (FP8, 8), (jnp.uint16, 8),
+                                         (jnp.bfloat16, 3), (FP8, 6)])
+def test_row_by_mask_gives_the_rows_exact_bits(dtype, last, monkeypatch):
+    """kv_cache.row_by_mask (the insertion's row fetch where a mesh splits the prompt rows) returns s[i]'s exact
+    bits: -0, NaN payloads, subnormals, infinities; packed two or four to a uint32 word, or widened where the last
+    axis does not pack (3, 6). An index past the rows gives zeros. copy_rows fetching by it equals copy_rows by take."""
+    from triage_jax.models import kv_cache
+
+    rng = np.random.default_rng(1)
+    size = jnp.dtype(dtype).itemsize
+    bits = rng.integers(0, 2 ** (8 * size), size=(5, 2, 4, last), dtype=np.uint64)
+    bits[0, 0, 0, :2] = [0, 1 << (8 * size - 1)]  # +0, -0
+    s = jax.lax.bitcast_convert_type(jnp.asarray(bits.astype({1: np.uint8, 2: np.uint16, 4: np.uint32}[size])),
+                                     dtype)
+    as_bits = lambda x: np.asarray(x).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size])  # noqa: E731
+    for i in range(5):
+        got = jax.jit(kv_cache.row_by_mask)(s, jnp.int32(i))
+        assert got.dtype == s.dtype and got.shape == (1,) + s.shape[1:]
+        np.testing.assert_array_equal(as_bits(got), as_bits(s[i:i + 1]))
+    assert not as_bits(jax.jit(kv_cache.row_by_mask)(s, jnp.int32(5))).any()
+    if dtype == jnp.uint16:
+        return
+    buf = jnp.zeros((4, 2, 9, last), dtype)
+    slot_m, row_m = jnp.asarray([2, 0, 4, 3], jnp.int32), jnp.asarray([4, 1, 0, 1], jnp.int32)  # slot 4: dropped
+    # A fresh function per trace: jax caches traces by function, and the fetch is chosen while tracing.
+    copy = lambda: lambda *a: kv_cache.copy_rows(*a)  # noqa: E731
+    by_take = jax.jit(copy())(buf, s, slot_m, row_m)
+    assert "reduce_sum" not in str(jax.make_jaxpr(copy())(buf, s, slot_m, row_m))
+    monkeypatch.setattr(kv_cache, "batch_split", lambda: 2)  # as under a mesh that splits the batch
+    by_mask = jax.jit(copy())(buf, s, slot_m, row_m)
+    assert "reduce_sum" in str(jax.make_jaxpr(copy())(buf, s, slot_m, row_m))  # the masked fetch
+    np.testing.assert_array_equal(as_bits(by_mask), as_bits(by_take))
+
+
 def test_an_fp8_cache_gives_both_attention_forms_its_dequantized_values():
     """An FP8 cache with its per-tensor scales: on the CPU cached_attention is the blocks form over the cache as
     kv_cache.read dequantizes it, bit for bit; the GPU's form (attention_rows, which multiplies the scales into the

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from triage_jax.models.config import ModelConfig
+from triage_jax.models.sharding import batch_split
 from triage_jax.quant import ieee
 
 F32 = jnp.float32
@@ -348,6 +349,34 @@ def attention_rows(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot
     return _heads_back(out_bkqh, t, q_btnh.dtype)
 
 
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def row_by_mask(s: jax.Array, i: jax.Array) -> jax.Array:
+    """s[i][None] for s [R, ...] (a float or integer type of <= 4 bytes), as a sum over R of the rows masked to row i:
+    one nonzero term, summed as unsigned integers (the bits, packed into uint32 words), so the result has s[i]'s
+    exact bits (-0, NaN payloads, subnormals). For a row axis split over devices: each device sums its own rows
+    and one all-reduce of a row follows, where XLA:GPU partitions jnp.take / dynamic_slice of a split axis as an
+    all-gather of all of s (tools/dryrun.py --target=h200: an insertion held every layer's whole prefill cache on
+    every device). A row index outside [0, R) gives zeros."""
+    size = jnp.dtype(s.dtype).itemsize
+    u = s if jnp.issubdtype(s.dtype, jnp.unsignedinteger) else jax.lax.bitcast_convert_type(s, _UNSIGNED[size])
+    per_word = 4 // size
+    packed = per_word > 1 and s.shape[-1] % per_word == 0
+    if packed:  # 2 or 4 narrow values per uint32: the all-reduce moves the row's own bytes
+        w = jax.lax.bitcast_convert_type(u.reshape(*u.shape[:-1], u.shape[-1] // per_word, per_word), jnp.uint32)
+    else:
+        w = u.astype(jnp.uint32)
+    hit = (jnp.arange(s.shape[0]) == i).reshape(-1, *([1] * (w.ndim - 1)))
+    r = jnp.sum(jnp.where(hit, w, jnp.uint32(0)), axis=0, keepdims=True)
+    r = jax.lax.bitcast_convert_type(r, u.dtype).reshape(1, *u.shape[1:]) if packed else r.astype(u.dtype)
+    return r if r.dtype == s.dtype else jax.lax.bitcast_convert_type(r, s.dtype)
+
+
+def _row_by_take(s: jax.Array, i: jax.Array) -> jax.Array:
+    return jnp.take(s, i[None], axis=0)
+
+
 def copy_rows(buf, src, slot_m: jax.Array, row_m: jax.Array, *, lead: int = 0):
     """Rows row_m of (prefill) cache buffers `src` into rows slot_m of the buffers `buf` at slots [0, P) (a slot
     index past a buffer's rows: dropped). buf / src: one buffer or matching pytrees of them, each [B, KVH, S, Dh]
@@ -358,7 +387,9 @@ def copy_rows(buf, src, slot_m: jax.Array, row_m: jax.Array, *, lead: int = 0):
     prompt's KV, replicated on every device under the mesh), and a loop per buffer made 36-72 loops of a 36-layer
     model (on an H200 each of 2 kernels outside any CUDA graph per entry: docs/architecture.md). Gather and scatter
     move the bits as unsigned integers when both buffers hold one 1- or 2-byte float type (see `scatter_set`: no
-    float32 copy of the buffer on XLA:CPU)."""
+    float32 copy of the buffer on XLA:CPU). Where the active mesh splits the batch (the prompt rows), a row is
+    fetched by `row_by_mask` (each device reads its own rows, then one all-reduce of the row), not by a gather that
+    XLA:GPU would partition as an all-gather of every source buffer in every step."""
     bufs, tree = jax.tree.flatten(buf)
     srcs = jax.tree.leaves(src)
     p = srcs[0].shape[-2]
@@ -369,8 +400,10 @@ def copy_rows(buf, src, slot_m: jax.Array, row_m: jax.Array, *, lead: int = 0):
     as_bits = lambda x, bits: x if bits is None else jax.lax.bitcast_convert_type(x, bits)  # noqa: E731
     srcs = [as_bits(s, bits) for s, bits in zip(srcs, views)]
 
+    fetch = row_by_mask if batch_split() > 1 else _row_by_take
+
     def row(b, s, m):  # entry m into one [B, KVH, S, Dh] buffer
-        r = jnp.take(s, row_m[m][None], axis=0).astype(b.dtype).transpose(0, 2, 1, 3)  # [1, P, KVH, Dh]
+        r = fetch(s, row_m[m]).astype(b.dtype).transpose(0, 2, 1, 3)  # [1, P, KVH, Dh]
         return b.at[slot_m[m][None, None], :, pos_1p].set(r, mode="drop")
 
     for _ in range(lead):

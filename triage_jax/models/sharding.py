@@ -7,6 +7,8 @@ go through `constrain`, a no-op unless flax logical-axis rules and a mesh are ac
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 
@@ -19,6 +21,17 @@ LAYERS = "layers"  # the stacked-layer axis of scan_layers=True
 # A quantized-once kernel (`layers.QuantizedKernel`) carries its logical names under this metadata key, one per
 # dimension of its stored [..., N, K] layout (a QuantizedWeight holds the kernel transposed).
 QUANTIZED_NAMES = "quantized_names"
+
+
+def batch_split() -> int:
+    """Over how many devices the active mesh (`jax.set_mesh`) and logical-axis rules (`sharding.activate`) split a
+    batch: 1 outside them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    target = dict(nn.get_logical_axis_rules()).get(BATCH)
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    return math.prod(dict(mesh.shape).get(a, 1) for a in axes)
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:

@@ -2,19 +2,23 @@
 
     python -m triage_jax.tools.dryrun --config=configs/qwen3_4b.py --mesh=fsdp=8 [--hbm_gb=80,141,192]
         [--remat=config|none|full|save_dots|all] [--seq_len=20480] [--micro_batch=N] [--decode_batch=N]
+        [--target=cpu|h200]
 
 Nothing is allocated: parameters and optimizer state are `jax.eval_shape`d and sharded by the logical-axis rules,
-the step is lowered and compiled for the mesh on this CPU (`--xla_force_host_platform_device_count` simulates the
-devices; it is set here before JAX starts), and `compiled.memory_analysis()` gives each device's arguments,
-outputs and temporaries. A CPU compile sizes buffers as XLA's CPU backend schedules them, so the GPU/TPU figure
-differs somewhat (fused kernels such as flash attention need less); the verdict keeps `--usable` of the HBM free
-for the runtime.
+the step is lowered and compiled for the mesh on this CPU, and `compiled.memory_analysis()` gives each device's
+arguments, outputs and temporaries; the verdict keeps `--usable` of the HBM free for the runtime. `--target=cpu`
+(default) compiles with XLA:CPU for simulated host devices (`--xla_force_host_platform_device_count`, set here
+before JAX starts): XLA:CPU's buffer assignment, not a GPU's. `--target=h200` compiles with XLA:GPU itself for
+compile-only H200s (jax's CUDA PJRT plugin, as tools/gpu_aot.py; no GPU needed): the GPU's fusions and buffer
+assignment, without its autotuning (which picks among kernels, not buffers).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+TARGETS = ("cpu", "h200")  # whose compiler sizes the buffers: XLA:CPU (simulated host devices), XLA:GPU (deviceless)
 
 
 def mesh_arg(argv: list[str]) -> str:
@@ -39,8 +43,25 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return out
 
 
+def target_arg(argv: list[str]) -> str:
+    """The --target value from argv (read before absl parses: the H200 target loads its compiler before JAX starts)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--target="):
+            return a.split("=", 1)[1]
+        if a == "--target" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "cpu"
+
+
 def _simulate_devices(argv: list[str]) -> None:
-    """Ask XLA for as many host devices as the mesh needs: must run before JAX initializes its backend."""
+    """Ask XLA for as many host devices as the mesh needs, or (--target=h200) put jax's CUDA PJRT plugin on the
+    path for compile-only H200s: must run before JAX initializes its backend."""
+    if target_arg(argv) == "h200":
+        from triage_jax.tools import gpu_aot
+
+        if gpu_aot.plugin_installed():  # else main says so, after the flags parse
+            gpu_aot.use_plugin()
+        return
     try:
         need = 1
         for v in parse_mesh(mesh_arg(argv)).values():
@@ -85,6 +106,9 @@ _KCHUNK = flags.DEFINE_integer("k_chunk", 1024, "Key block of --attention=chunke
 _MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 0, "Expert FFN over this many sorted assignment rows at a time "
                                   "(ModelConfig.moe_row_chunk; 0: all at once).")
 _SKIP_DECODE = flags.DEFINE_bool("skip_decode", False, "Only the learner step.")
+_TARGET = flags.DEFINE_enum("target", "cpu", list(TARGETS),
+                            "Whose compiler sizes the buffers: cpu (XLA:CPU on simulated host devices) or h200 "
+                            "(XLA:GPU for compile-only H200s, jax's CUDA PJRT plugin: bash .ci/gpu_aot_plugin.sh).")
 
 GB = 1e9
 PAPER_RESPONSES = 8192  # 512 prompts x 16 samples per RL step
@@ -102,6 +126,10 @@ class Memory:
     aliased: int  # outputs written into donated inputs (counted once)
     temporaries: int  # activations, gradients and scratch
     compile_s: float
+    # rollout rows: the slots' KV cache, slots per device, and each program's temporaries / peak (GB)
+    kv: int = 0
+    slots_per_device: int = 0
+    parts: str = ""
 
     @property
     def peak(self) -> int:
@@ -230,6 +258,7 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
     rows = [memory_of(f"rollout decode ({slots // batch_shards(mesh)} slots/device)", decode, state, {}, secs),
             memory_of(f"rollout insert ({slots // batch_shards(mesh)} slots/device)", insert, state, {}, secs)]
     best = max(rows, key=lambda r: r.peak)
+    best.parts = ", ".join(f"{r.name.split()[1]} {r.temporaries / GB:.2f} / {r.peak / GB:.2f}" for r in rows)
     best.name = f"rollout {slots // batch_shards(mesh)} slots/device, cache {cache_len}"
     best.kv = per_device_bytes(abstract_slots.cache)
     return best
@@ -268,18 +297,43 @@ def format_table(rows: list[Memory], hbm_gb: list[float], usable: float) -> str:
     return "\n".join(out)
 
 
+TARGET_NAMES = {"cpu": "cpu", "h200": "H200 (compile-only)"}
+
+
+def target_devices(target: str, mesh_shape: dict[str, int]) -> list | None:
+    """The devices a mesh of `mesh_shape` compiles for: None (jax's own: the simulated host devices) on the CPU,
+    as many compile-only H200s (one NVLink domain) for "h200"."""
+    if target not in TARGETS:
+        raise ValueError(f"--target={target!r}: expected one of {TARGETS}")
+    if target == "cpu":
+        return None
+    from triage_jax.tools import gpu_aot
+
+    if not gpu_aot.plugin_installed():
+        raise ValueError(f"--target=h200 needs jax's CUDA PJRT plugin in {gpu_aot.plugin_dir()}: "
+                         "bash .ci/gpu_aot_plugin.sh")
+    from triage_jax import sharding as shd
+
+    n = 1
+    for a in shd.MESH_AXES:  # the mesh's axes only (the config's mesh also holds sampler_devices)
+        n *= int(mesh_shape.get(a, 1))
+    return gpu_aot.h200s(n)
+
+
 def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, prompt_len: int, micro: int,
         decode_batch: int, scan_layers: bool, with_decode: bool, attention: str = "xla", q_chunk: int = 512,
-        k_chunk: int = 1024, moe_chunk: int = 0, log=print) -> list[Memory]:
-    """Compile the configured steps for the mesh and return their per-device memory."""
-    import jax
+        k_chunk: int = 1024, moe_chunk: int = 0, target: str = "cpu", log=print) -> list[Memory]:
+    """Compile the configured steps for the mesh (on `target`'s devices: TARGETS) and return their per-device
+    memory."""
+    import contextlib
 
     from triage_jax import models, sharding as shd
     from triage_jax.config import validate
+    from triage_jax.kernels import mosaic
 
     for k, v in mesh_shape.items():
         c.mesh[k] = v
-    mesh = shd.make_mesh(c.mesh.to_dict())
+    mesh = shd.make_mesh(c.mesh.to_dict(), target_devices(target, c.mesh.to_dict()))
     shards = batch_shards(mesh)
     n = micro or max(c.rl.micro_batch, shards)
     if n % shards:
@@ -296,8 +350,8 @@ def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, promp
         overrides["vocab_size"] = c.model.vocab_size
     base = models.get_model_config(c.model.preset, **overrides)
     log(f"model {c.model.preset}: {base.num_params() / 1e9:.2f}B params (param {base.param_dtype}, compute "
-        f"{base.dtype}), scan_layers={scan_layers}; mesh {dict(mesh.shape)} on {len(jax.devices())} simulated "
-        f"{jax.devices()[0].platform} devices; learner: {n} responses x ({prompt_len} prompt + {seq_len} response) "
+        f"{base.dtype}), scan_layers={scan_layers}; mesh {dict(mesh.shape)} on {mesh.devices.size} simulated "
+        f"{TARGET_NAMES[target]} devices; learner: {n} responses x ({prompt_len} prompt + {seq_len} response) "
         f"tokens ({n // shards} per device), precision {c.learner.precision}, vocab_chunk {c.learner.vocab_chunk}")
     rows = []
     for remat in remats:
@@ -313,11 +367,13 @@ def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, promp
             c.sampler.max_slots = slots
             log(f"compiling the rollout programs: {slots} slots ({slots // shards} per device), cache "
                 f"{prompt_len + seq_len} slots, sampler {c.sampler.precision}, kv {c.sampler.kv_cache} ...")
-            row = rollout_step(c, base.replace(scan_layers=False), mesh, slots, prompt_len + seq_len)
+            # On the H200 a kernel backend's Mosaic GPU calls lower as on a GPU (the interpreter's are host code).
+            with mosaic.lowering_for_gpu() if target == "h200" else contextlib.nullcontext():
+                row = rollout_step(c, base.replace(scan_layers=False), mesh, slots, prompt_len + seq_len)
             row.name += f", KV {row.kv / GB:.2f} GB"
             row.slots_per_device = slots // shards
             rows.append(row)
-            log(f"  done in {row.compile_s:.0f}s")
+            log(f"  done in {row.compile_s:.0f}s (temporaries / peak GB per device: {row.parts})")
     return rows
 
 
@@ -339,13 +395,14 @@ def main(argv) -> None:
                scan_layers=bool(c.model.scan_layers) if _SCAN.value is None else _SCAN.value,
                with_decode=not _SKIP_DECODE.value,
                attention=_ATTN.value, q_chunk=_QCHUNK.value, k_chunk=_KCHUNK.value,
-               moe_chunk=_MOE_CHUNK.value)
+               moe_chunk=_MOE_CHUNK.value, target=_TARGET.value)
     print(f"\nper-device memory (GB = 1e9 bytes; peak = args + temps + outputs not aliased to donated inputs; "
           f"fits: peak <= {_USABLE.value:g} x HBM)")
     print(format_table(rows, hbm, _USABLE.value))
     roll = [(r.slots_per_device, r) for r in rows if r.name.startswith("rollout")]
     if len(roll) == 2:
-        shards = batch_shards(__import__("triage_jax.sharding", fromlist=["make_mesh"]).make_mesh(mesh_shape))
+        shards = batch_shards(__import__("triage_jax.sharding", fromlist=["make_mesh"]).make_mesh(
+            c.mesh.to_dict(), target_devices(_TARGET.value, c.mesh.to_dict())))
         print(f"rollout slots (per-slot cost from the two rollout rows), for the paper's {PAPER_RESPONSES} "
               f"responses per step:")
         for line in pick_slots(roll, hbm, _USABLE.value, PAPER_RESPONSES, shards):
