@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent("""
         "q_proj": shard_shape(attn["q_proj"]["kernel"].get_value()) if "q_proj" in attn else None,  # else merged
         "o_proj": shard_shape(attn["o_proj"]["kernel"].get_value()),
         "embed": shard_shape(engine.state["embed"]["embedding"].get_value()),
-        "kv_shard": list(kv.shard_shape(kv_shape)), "compiled": compiled}))
+        "kv_shard": list(kv.shard_shape(kv_shape)), "compiled": compiled, "slot_counts": engine.slot_counts}))
 """)
 
 
@@ -76,13 +76,15 @@ def _run(mesh: dict, slots: int, devices: int, precision: str = "none", kv_heads
 
 
 def test_one_device_equals_8_data_parallel_devices():
-    """4 slots on 1 device vs 32 slots over 8 devices (4 each): every request gets the same tokens although it
-    lands in another slot on another device. Its log-probs agree to float32 rounding: the partitioned program
-    fuses elementwise ops differently (every stage of a layer matches bit for bit on its own), so the last bit of
-    a log-prob can differ; on one device count they are bit-identical whatever the schedule (test_engine.py)."""
-    one = _run({"data": 1}, 4, 1)
-    eight = _run({"data": 8}, 32, 8)
+    """8 slots on 1 device vs 64 slots over 8 devices (8 each): every request gets the same tokens although it
+    lands in another slot on another device, and the mesh compacts its tail across devices (its output split over
+    them: Engine._take_program). Its log-probs agree to float32 rounding: the partitioned program fuses elementwise
+    ops differently (every stage of a layer matches bit for bit on its own), so the last bit of a log-prob can
+    differ; on one device count they are bit-identical whatever the schedule (test_engine.py)."""
+    one = _run({"data": 1}, 8, 1)
+    eight = _run({"data": 8}, 64, 8)
     assert eight["devices"] == 8 and eight["slot_devices"] == 8  # the slots really are split
+    assert min(eight["slot_counts"]) < 64  # the tail compacted on the mesh
     # The first round's programs compiled ahead on the engine's threads, for the arguments the mesh gives them:
     # the one prefill shape never again on the main thread, each program's first compile on a compile thread.
     compiled = [tuple(x) for x in eight["compiled"]]

@@ -423,8 +423,7 @@ def _resize(slots: Slots, *, capacity: int) -> Slots:
         return _resize_jit(slots, capacity=capacity)
 
 
-@jax.jit
-def _take_slots(slots: Slots, slot_k) -> Slots:
+def _take_slots_fn(slots: Slots, slot_k) -> Slots:
     """Slots slot_k of `slots`, in that order: every per-slot array gathered (the per-layer FP8 scales kept)."""
     def take(x):
         return None if x is None else jnp.take(x, slot_k, axis=0)
@@ -433,6 +432,9 @@ def _take_slots(slots: Slots, slot_k) -> Slots:
     return slots.replace(cache=cache, tok=take(slots.tok), active=take(slots.active), req=take(slots.req),
                          n_gen=take(slots.n_gen), out_tok=take(slots.out_tok), out_logp=take(slots.out_logp),
                          out_exp=take(slots.out_exp))
+
+
+_take_slots = jax.jit(_take_slots_fn)  # one device; on a mesh `Engine._take_program` (its output split)
 
 
 @jax.jit
@@ -554,6 +556,7 @@ class Engine:
         self.prefills = 0  # prefill calls of the last generate
         self._compiled_first_rounds: set = set()  # shapes `_compile_first_round` compiled
         self._ahead: dict = {}  # decode-round shapes compiled (or compiling) ahead -> their Future
+        self._take_programs: dict = {}  # the tail compaction's gather on a mesh, per slot count (_take_program)
         self.graphdef = self.state = None
         if model is not None:
             self.load(model)
@@ -636,6 +639,20 @@ class Engine:
             raise ValueError(f"config.mesh.tensor: the sampler splits attention heads {t} ways, but the model has "
                              f"{m.num_attention_heads} query and {m.num_key_value_heads} KV heads")
 
+    def _take_program(self, slots: Slots, slot_k: jax.Array):
+        """The program of _take_slots_fn(slots, slot_k) on this engine's devices. On a mesh its output is split over
+        the batch shards as every slot array is (`slot_shardings`): left to the partitioner, the gathered slots came
+        out replicated, every device holding the whole compacted cache and a copy split it again (on 8 H200s, 32 of
+        128 slots of the 4B at capacity 4,096: 19.33 GB per device where its share is 2.42 GB; tests/test_gpu_aot.py)."""
+        if self.mesh is None:
+            return _take_slots
+        key = (slot_k.shape[0], jax.tree.structure(slots))
+        fn = self._take_programs.get(key)
+        if fn is None:
+            out = jax.eval_shape(_take_slots_fn, slots, slot_k)
+            fn = self._take_programs[key] = jax.jit(_take_slots_fn, out_shardings=self.slot_shardings(out))
+        return fn
+
     def _compacted(self, slots: Slots, owner: dict, host_len: np.ndarray):
         """The tail compaction (EngineConfig.compact_tail): (slots, owner, host_len) moved into the smallest slot
         set that holds the occupied slots (a power of two per device, >= MIN_COMPACT_SLOTS), or the inputs
@@ -650,7 +667,8 @@ class Engine:
         kept = sorted(owner)
         spare = next(j for j in range(s) if j not in owner)  # an empty slot pads the new set
         idx = np.array(kept + [spare] * (new - len(kept)), np.int32)
-        slots = self._place(_take_slots(slots, jnp.asarray(idx)))
+        slot_k = jnp.asarray(idx)
+        slots = self._take_program(slots, slot_k)(slots, slot_k)
         owner = {j: owner[old] for j, old in enumerate(kept)}
         return slots, owner, np.concatenate([host_len[kept], np.zeros(new - len(kept), host_len.dtype)])
 
