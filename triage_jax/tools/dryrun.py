@@ -200,8 +200,9 @@ def learner_step(c, model_cfg, mesh, n: int, prompt_len: int, resp_len: int, att
 
 def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
     """Compile the trainer's own rollout programs for `slots` decode slots (split over the batch axes) with a
-    cache of cache_len slots: one decode round (sampler.steps_per_round tokens) and the insertion of prefilled
-    prompts into slots; returns the larger footprint of the two.
+    cache of cache_len slots: one decode round (sampler.steps_per_round tokens), the prefill of a batch of prompts
+    (its peak plus the slots, which stay in memory beside it) and the insertion of prefilled prompts into slots;
+    returns the largest footprint of the three.
 
     The weights are the sampler's prequantized copy (`sampler.prepare_model`) and weights and slots are placed as
     the engine places them (`Engine.state_shardings`, `Engine.slot_shardings`: tensor-parallel weights, slots
@@ -254,9 +255,18 @@ def rollout_step(c, model_cfg, mesh, slots: int, cache_len: int) -> Memory:
         vec = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=shd.replicated(mesh))
         insert = smp._insert.with_options(opts).lower(abstract_slots, pre[0], pre[1], vec, vec, vec, key, f32, stop,
                                                       st=st).compile()
+        # The prefill, with its prompts as the engine passes them (host arrays: replicated), beside the slots.
+        ids, mask, scales = (jax.ShapeDtypeStruct(shape, dt, sharding=shd.replicated(mesh)) for shape, dt in (
+            ((pb, p), jnp.int32), ((pb, p), bool), ((model_cfg.num_hidden_layers,), jnp.float32)))
+        prefill = smp._prefill.with_options(opts).lower(graphdef, state, ids, mask, scales, scales, f32,
+                                                        policy=policy, capacity=p, kv_format=policy.kv_cache,
+                                                        record_routing=engine.record_routing,
+                                                        kv_combined=engine.kv_combined).compile()
     secs = time.perf_counter() - t0
     rows = [memory_of(f"rollout decode ({slots // batch_shards(mesh)} slots/device)", decode, state, {}, secs),
-            memory_of(f"rollout insert ({slots // batch_shards(mesh)} slots/device)", insert, state, {}, secs)]
+            memory_of(f"rollout insert ({slots // batch_shards(mesh)} slots/device)", insert, state, {}, secs),
+            memory_of(f"rollout prefill ({pb // batch_shards(mesh)} prompts/device)", prefill, state, {}, secs)]
+    rows[2].arguments += per_device_bytes(abstract_slots)  # the slots stay in HBM while the engine prefills
     best = max(rows, key=lambda r: r.peak)
     best.parts = ", ".join(f"{r.name.split()[1]} {r.temporaries / GB:.2f} / {r.peak / GB:.2f}" for r in rows)
     best.name = f"rollout {slots // batch_shards(mesh)} slots/device, cache {cache_len}"
