@@ -21,14 +21,15 @@ import sys
 TARGETS = ("cpu", "h200")  # whose compiler sizes the buffers: XLA:CPU (simulated host devices), XLA:GPU (deviceless)
 
 
-def mesh_arg(argv: list[str]) -> str:
-    """The --mesh value from argv (read before absl parses, to size the simulated device count)."""
+def flag_arg(argv: list[str], name: str, default: str = "") -> str:
+    """The --name value from argv, read before absl parses them: --mesh sizes the simulated device count and
+    --target=h200 loads XLA:GPU's plugin, both before JAX starts."""
     for i, a in enumerate(argv):
-        if a.startswith("--mesh="):
+        if a.startswith(f"--{name}="):
             return a.split("=", 1)[1]
-        if a == "--mesh" and i + 1 < len(argv):
+        if a == f"--{name}" and i + 1 < len(argv):
             return argv[i + 1]
-    return ""
+    return default
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -43,20 +44,10 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return out
 
 
-def target_arg(argv: list[str]) -> str:
-    """The --target value from argv (read before absl parses: the H200 target loads its compiler before JAX starts)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--target="):
-            return a.split("=", 1)[1]
-        if a == "--target" and i + 1 < len(argv):
-            return argv[i + 1]
-    return "cpu"
-
-
 def _simulate_devices(argv: list[str]) -> None:
     """Ask XLA for as many host devices as the mesh needs, or (--target=h200) put jax's CUDA PJRT plugin on the
     path for compile-only H200s: must run before JAX initializes its backend."""
-    if target_arg(argv) == "h200":
+    if flag_arg(argv, "target", "cpu") == "h200":
         from triage_jax.tools import gpu_aot
 
         if gpu_aot.plugin_installed():  # else main says so, after the flags parse
@@ -64,7 +55,7 @@ def _simulate_devices(argv: list[str]) -> None:
         return
     try:
         need = 1
-        for v in parse_mesh(mesh_arg(argv)).values():
+        for v in parse_mesh(flag_arg(argv, "mesh")).values():
             need *= v
     except ValueError:
         return  # reported properly once flags are parsed
