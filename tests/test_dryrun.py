@@ -41,9 +41,10 @@ def test_dryrun_tiny_moe_on_simulated_expert_mesh():
     """End to end on 8 simulated devices, expert parallelism on: every remat policy and the rollout programs compile;
     parameters and optimizer state are split over the mesh (per-device bytes = total / shards)."""
     out = _dryrun("--config=configs/tiny_moe.py", "--mesh=fsdp=2,expert=4", "--remat=all", "--seq_len=16",
-                  "--prompt_len=8", "--hbm_gb=80,0.0001")
+                  "--prompt_len=8", "--hbm_gb=80,0.0001", "--prefill_batch=2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "on 8 simulated cpu devices" in out.stdout
+    assert "prefill 2 prompts/device" in out.stdout  # --prefill_batch, not the config's 8
     assert "scan_layers=False" in out.stdout  # the config's model.scan_layers (tiny_moe: off) without the flag
     rows = _table(out.stdout)
     assert set(rows) == {"learner remat=none attn=xla", "learner remat=full attn=xla",

@@ -2,7 +2,7 @@
 
     python -m triage_jax.tools.dryrun --config=configs/qwen3_4b.py --mesh=fsdp=8 [--hbm_gb=80,141,192]
         [--remat=config|none|full|save_dots|all] [--seq_len=20480] [--micro_batch=N] [--decode_batch=N]
-        [--target=cpu|h200]
+        [--prefill_batch=N] [--target=cpu|h200]
 
 Nothing is allocated: parameters and optimizer state are `jax.eval_shape`d and sharded by the logical-axis rules,
 the step is lowered and compiled for the mesh on this CPU, and `compiled.memory_analysis()` gives each device's
@@ -96,6 +96,8 @@ _QCHUNK = flags.DEFINE_integer("q_chunk", 512, "Query block of --attention=chunk
 _KCHUNK = flags.DEFINE_integer("k_chunk", 1024, "Key block of --attention=chunked.")
 _MOE_CHUNK = flags.DEFINE_integer("moe_chunk", 0, "Expert FFN over this many sorted assignment rows at a time "
                                   "(ModelConfig.moe_row_chunk; 0: all at once).")
+_PREFILL = flags.DEFINE_integer("prefill_batch", 0, "Prompts per device per prefill call of the rollout programs "
+                                 "(0: config.sampler.prefill_batch).")
 _SKIP_DECODE = flags.DEFINE_bool("skip_decode", False, "Only the learner step.")
 _TARGET = flags.DEFINE_enum("target", "cpu", list(TARGETS),
                             "Whose compiler sizes the buffers: cpu (XLA:CPU on simulated host devices) or h200 "
@@ -367,7 +369,8 @@ def run(c, mesh_shape: dict[str, int], *, remats: list[str], seq_len: int, promp
         for slots in (s0, 2 * s0):
             c.sampler.max_slots = slots
             log(f"compiling the rollout programs: {slots} slots ({slots // shards} per device), cache "
-                f"{prompt_len + seq_len} slots, sampler {c.sampler.precision}, kv {c.sampler.kv_cache} ...")
+                f"{prompt_len + seq_len} slots, sampler {c.sampler.precision}, kv {c.sampler.kv_cache}, prefill "
+                f"{c.sampler.prefill_batch} prompts/device ...")
             # On the H200 a kernel backend's Mosaic GPU calls lower as on a GPU (the interpreter's are host code).
             with mosaic.lowering_for_gpu() if target == "h200" else contextlib.nullcontext():
                 row = rollout_step(c, base.replace(scan_layers=False), mesh, slots, prompt_len + seq_len)
@@ -384,6 +387,8 @@ def main(argv) -> None:
     if c is None:
         raise app.UsageError("pass --config=configs/NAME.py")
     mesh_shape = parse_mesh(_MESH.value)
+    if _PREFILL.value:
+        c.sampler.prefill_batch = _PREFILL.value
     from triage_jax import compile_cache
 
     compile_cache.enable(c.compile_cache)
