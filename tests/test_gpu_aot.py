@@ -303,6 +303,27 @@ def test_a_w4a4_decode_step_reduces_each_activation_once():
 
 
 @needs_plugin
+def test_a_scanned_w4a4_layer_loop_is_one_cuda_graph():
+    """A scan_layers=True model's decode step on the H200 (2-layer Qwen3, W4A4, xla): the layer loop's body is one
+    command buffer, with no copy of a slice outside it. Its small per-layer arrays (norm weights, the 4-bit
+    weights' tensor scales) come from one masked reduction (kv_cache.layer_rows); a dynamic slice of each (a
+    DynamicSliceFusion copy outside the graphs wherever a norm's Triton fusion reads it) split the body into 4
+    graphs with 8 launches between them (the 4B's: 288 launches a step outside the graphs)."""
+    out = _run("""
+        import json
+        from triage_jax.tools import gpu_aot
+        from experiments.bench_gpu import SMALL_MODEL as small
+        print(json.dumps(gpu_aot.decode_step("qwen3_0_6b", "w4a4", 16, capacity=128, prompt_len=32,
+                                             device=gpu_aot.h200(), overrides=dict(small, scan_layers=True))))
+    """)
+    assert out["nested_loops"] == 1 and out["layers"] == 2, out
+    assert "kDynamicSliceFusion" not in out["by_kind"], out["by_kind"]
+    # Per layer: the loop condition's kernel outside the graphs, the body's kernels inside one.
+    assert out["nested_outside_graphs"] == 1 and out["command_buffers"] == 2, out
+    assert out["by_name"].get("loop_reduce_fusion", 0) + out["by_name"].get("input_reduce_fusion", 0) >= 1, out
+
+
+@needs_plugin
 def test_exact_mode_matmuls_have_one_row_count_on_the_h200():
     """Exact mode's dots on a GPU (invariant.padded_rows): whatever the rows, the GEMM XLA:GPU compiles is the one
     for 64 rows, launched alike - so the sampler's and the learner's programs compute a row the same way. The

@@ -368,6 +368,38 @@ def test_row_by_mask_gives_the_rows_exact_bits(dtype, last, monkeypatch):
     np.testing.assert_array_equal(as_bits(by_mask), as_bits(by_take))
 
 
+def test_layer_rows_give_each_stacks_row_exact_bits():
+    """kv_cache.layer_rows (a scanned decode step's small per-layer arrays, one masked reduction for all of them)
+    returns s[i] for each stack, bit for bit: -0, NaN payloads, subnormals, infinities; stacks of 1-, 2- and
+    4-byte types, packed into uint32 words or widened (odd sizes, one value a layer) side by side; row_by_mask
+    of a 1-D narrow stack (its only axis the rows) as well."""
+    from triage_jax.models import kv_cache
+
+    rng = np.random.default_rng(2)
+    n = 6  # even: a 1-D bf16 stack's rows would pack two to a word
+    views = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+    kinds = [(jnp.bfloat16, (6,)), (jnp.float32, ()), (jnp.bfloat16, (3,)), (FP8, (2, 4)), (jnp.float32, (1,)),
+             (jnp.uint8, (3,)), (jnp.bfloat16, ()), (FP8, (7,)), (jnp.float32, (2, 3))]
+    stacks = []
+    for dtype, shape in kinds:
+        size = jnp.dtype(dtype).itemsize
+        bits = rng.integers(0, 2 ** (8 * size), size=(n, *shape), dtype=np.uint64).astype(views[size])
+        bits.reshape(n, -1)[1, 0] = 1 << (8 * size - 1)  # -0 (or 128)
+        stacks.append(jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype) if dtype != jnp.uint8
+                      else jnp.asarray(bits))
+    as_bits = lambda x: np.asarray(x).view(views[x.dtype.itemsize])  # noqa: E731
+    rows = jax.jit(kv_cache.layer_rows)
+    for i in range(n):
+        got = rows(stacks, jnp.int32(i))
+        for s, g in zip(stacks, got):
+            assert g.dtype == s.dtype and g.shape == s.shape[1:], (s.dtype, s.shape, g.shape)
+            np.testing.assert_array_equal(as_bits(g), as_bits(s[i]), err_msg=f"{s.dtype} {s.shape} row {i}")
+        for s in (stacks[1], stacks[6]):  # [L] stacks: row_by_mask alone
+            np.testing.assert_array_equal(as_bits(jax.jit(kv_cache.row_by_mask)(s, jnp.int32(i))),
+                                          as_bits(s[i:i + 1]))
+    assert kv_cache.layer_rows([], jnp.int32(0)) == []
+
+
 def test_an_fp8_cache_gives_both_attention_forms_its_dequantized_values():
     """An FP8 cache with its per-tensor scales: on the CPU cached_attention is the blocks form over the cache as
     kv_cache.read dequantizes it, bit for bit; the GPU's form (attention_rows, which multiplies the scales into the

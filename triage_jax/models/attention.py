@@ -82,14 +82,15 @@ class Attention(nnx.Module):
             i = self.layer if layer_index is None else layer_index
             cache = cache.write(i, k_btkh, v_btkh, new_mask_bt, slot_bt)
             k_buf, v_buf = cache.layer(i)
+            k_scale, v_scale = cache.scales(i)
             if exact:
-                k_bksh = kvc.read(k_buf, cache.k_scale[i], q_btnh.dtype)
-                v_bksh = kvc.read(v_buf, cache.v_scale[i], q_btnh.dtype)
+                k_bksh = kvc.read(k_buf, k_scale, q_btnh.dtype)
+                v_bksh = kvc.read(v_buf, v_scale, q_btnh.dtype)
                 visible_bts = jnp.arange(k_bksh.shape[2], dtype=jnp.int32)[None, None, :] <= slot_bt[:, :, None]
                 out_btnh = invariant.attention(q_btnh, k_bksh, v_bksh, visible_bts, self.head_dim**-0.5)
             else:
-                out_btnh = kvc.cached_attention(q_btnh, k_buf, v_buf, slot_bt, self.head_dim**-0.5,
-                                                cache.k_scale[i], cache.v_scale[i])
+                out_btnh = kvc.cached_attention(q_btnh, k_buf, v_buf, slot_bt, self.head_dim**-0.5, k_scale,
+                                                v_scale)
             return self.o_proj(out_btnh, policy), cache
         t = q_btnh.shape[1]
         if exact:

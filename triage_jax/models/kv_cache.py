@@ -29,6 +29,7 @@ so with the static `scales_set`, and its writes skip the first-write amax (two r
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ class KVCache:
     or one stacked (keys, values) pair of [L, B, KVH, S, Dh]. k_scale, v_scale: float32 scales (1.0 unless fp8),
     as the layers are: per-layer tuples of scalars or stacked [L] arrays (a layer's scale a buffer of its own, not
     a slice: XLA:GPU copies a slice of an [L] array out before a GEMM fusion reads it, two copies a layer per
-    decode step); lengths: [B]."""
+    decode step; a stacked cache's layer reads its scales by `layer_row`); lengths: [B]."""
 
     kv: tuple | jax.Array
     k_scale: jax.Array
@@ -92,16 +93,20 @@ class KVCache:
             kv = tuple(jax.lax.dynamic_index_in_dim(b, i, keepdims=False) for b in self.kv)
         return kv[0], kv[1]
 
+    def scales(self, i) -> tuple[jax.Array, jax.Array]:
+        """Layer i's (key scale, value scale); i may be traced when the cache is stacked (`layer_row`)."""
+        if not self.stacked:
+            return self.k_scale[i], self.v_scale[i]
+        return layer_row(self.k_scale, i), layer_row(self.v_scale, i)
+
     def write(self, i, k_btkh: jax.Array, v_btkh: jax.Array, mask_bt: jax.Array, slot_bt: jax.Array) -> KVCache:
         """The cache with layer i's T new keys and values at slots slot_bt[b, t] of row b (see `write_slots`); i may
         be traced when the cache is stacked (a scatter into the stacked buffer: no copy of the layer)."""
         kw = dict(headroom=self.fp8_headroom, scale_set=self.scales_set)
         if self.stacked:
-            kv, ks, vs = write_slots(self.kv, self.k_scale[i], self.v_scale[i], k_btkh, v_btkh, mask_bt, slot_bt,
-                                     layer=i, **kw)
+            kv, ks, vs = write_slots(self.kv, *self.scales(i), k_btkh, v_btkh, mask_bt, slot_bt, layer=i, **kw)
         else:
-            kv_l, ks, vs = write_slots(self.kv[i], self.k_scale[i], self.v_scale[i], k_btkh, v_btkh, mask_bt,
-                                       slot_bt, **kw)
+            kv_l, ks, vs = write_slots(self.kv[i], *self.scales(i), k_btkh, v_btkh, mask_bt, slot_bt, **kw)
             kv = self.kv[:i] + (kv_l,) + self.kv[i + 1:]
         out = self.replace(kv=kv)
         if not self.is_fp8 or self.scales_set:  # only FP8 sets a scale (at the first write); storing the others'
@@ -113,6 +118,61 @@ class KVCache:
         # step's CUDA graph (two graph breaks a layer).
         at_i = jnp.arange(self.k_scale.shape[0]) == i
         return out.replace(k_scale=jnp.where(at_i, ks, self.k_scale), v_scale=jnp.where(at_i, vs, self.v_scale))
+
+
+def layer_row(stack_l: jax.Array, i) -> jax.Array:
+    """stack_l[i] for a (traced) layer index i, by `row_by_mask`: the row's exact bits (see `layer_rows`)."""
+    if isinstance(i, int):
+        return stack_l[i]
+    return row_by_mask(stack_l, i)[0]
+
+
+def layer_rows(stacks_l: list[jax.Array], i) -> list[jax.Array]:
+    """[s[i] for s in stacks_l] (each [L, ...], a type of <= 4 bytes) for a traced layer index i: their rows' exact
+    bits from one `row_by_mask` of all of them as uint32 words side by side (one small reduction).
+
+    In a loop over stacked layers XLA:GPU runs a dynamic slice of a loop-carried array as a copy of its own outside
+    the CUDA graphs (a DynamicSliceFusion memcpy) wherever its consumer cannot take a slice, e.g. a norm's Triton
+    fusion; the masked sum is a kernel inside the graph. For small rows only (norm weights, scales): every layer's
+    rows are read."""
+    if not stacks_l:
+        return []
+    words = [_as_words(s) for s in stacks_l]
+    row = row_by_mask(jnp.concatenate(words, axis=1), i)[0]
+    out, at = [], 0
+    for s, w in zip(stacks_l, words):
+        out.append(_from_words(row[at:at + w.shape[1]], s.shape[1:], s.dtype))
+        at += w.shape[1]
+    return out
+
+
+def _as_words(s: jax.Array) -> jax.Array:
+    """s [L, ...] as uint32 words [L, W]: its bits, 4 / itemsize narrow values to a word where they divide evenly,
+    else one a word."""
+    size = jnp.dtype(s.dtype).itemsize
+    if size > 4:
+        raise ValueError(f"layer_rows: {s.dtype} ({size} bytes) does not fit a uint32 word")
+    u = s.reshape(s.shape[0], -1)
+    u = u if jnp.issubdtype(u.dtype, jnp.unsignedinteger) else jax.lax.bitcast_convert_type(u, _UNSIGNED[size])
+    if _packs(size, u.shape[1]):
+        return jax.lax.bitcast_convert_type(u.reshape(u.shape[0], -1, 4 // size), jnp.uint32)
+    return u.astype(jnp.uint32)
+
+
+def _packs(size: int, n: int) -> bool:
+    """Whether n values of `size` bytes go 4 / size to a uint32 word (else one a word)."""
+    return size < 4 and n % (4 // size) == 0
+
+
+def _from_words(w: jax.Array, shape: tuple, dtype) -> jax.Array:
+    """_as_words' inverse for one row: words [W] -> the [*shape] array of `dtype`."""
+    size = jnp.dtype(dtype).itemsize
+    n = math.prod(shape)
+    if _packs(size, n):
+        u = jax.lax.bitcast_convert_type(w, _UNSIGNED[size]).reshape(n)
+    else:
+        u = w.astype(_UNSIGNED[size])
+    return (u if u.dtype == dtype else jax.lax.bitcast_convert_type(u, dtype)).reshape(shape)
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str = "bf16", dtype=None,
@@ -362,7 +422,7 @@ def row_by_mask(s: jax.Array, i: jax.Array) -> jax.Array:
     size = jnp.dtype(s.dtype).itemsize
     u = s if jnp.issubdtype(s.dtype, jnp.unsignedinteger) else jax.lax.bitcast_convert_type(s, _UNSIGNED[size])
     per_word = 4 // size
-    packed = per_word > 1 and s.shape[-1] % per_word == 0
+    packed = per_word > 1 and s.ndim > 1 and s.shape[-1] % per_word == 0
     if packed:  # 2 or 4 narrow values per uint32: the all-reduce moves the row's own bytes
         w = jax.lax.bitcast_convert_type(u.reshape(*u.shape[:-1], u.shape[-1] // per_word, per_word), jnp.uint32)
     else:

@@ -8,6 +8,7 @@ Module paths (the strings per-layer precision rules match): "embed", "layers.{i}
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -255,19 +256,31 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
             x_btd, (st, ex) = step_replay(x_btd, layers, replay_lbtk)
         return x_btd, st, ex, None
 
-    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-    def step_cached(carry, layer, i):
+    # The small per-layer arrays (norm weights, quantized weights' tensor scales) are selected from the whole stacks
+    # by kvc.layer_rows (one small reduction a layer), the rest scanned (a dynamic slice per layer).
+    graphdef, state = nnx.split(layers)
+    leaves, treedef = jax.tree.flatten(state)
+    small = [math.prod(jnp.shape(a)[1:]) <= LAYER_ROW_MAX_ELEMENTS for a in leaves]
+
+    def step_cached(carry, big_i):
         # The stacked cache rides in the carry: layer i writes its new tokens into it in place and reads its slice.
-        x_btd, cache = carry
+        x_btd, cache, i = carry
+        big_i, small_i = iter(big_i), iter(kvc.layer_rows([a for a, s in zip(leaves, small) if s], i))
+        layer = nnx.merge(graphdef, jax.tree.unflatten(
+            treedef, [next(small_i) if s else next(big_i) for s in small]))
         x_btd, st, ex, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
                                      slot_bt=slot_bt, layer_index=i)
-        return (x_btd, cache), (st, ex)
+        return (x_btd, cache, i + 1), (st, ex)
 
     # A tuple cache is stacked for the scan and unstacked after it (two copies of it per call; the engine gives a
     # scanned model a stacked cache).
-    layer_l = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-    (x_btd, out), (st, ex) = step_cached((x_btd, kvc.stack(cache)), layers, layer_l)
+    (x_btd, out, _), (st, ex) = jax.lax.scan(step_cached, (x_btd, kvc.stack(cache), jnp.int32(0)),
+                                             [a for a, s in zip(leaves, small) if not s], cfg.num_hidden_layers)
     return x_btd, st, ex, (out if cache.stacked else kvc.unstack(out))
+
+
+# Per-layer arrays up to this many elements are selected by kv_cache.layer_rows in a scanned decode step.
+LAYER_ROW_MAX_ELEMENTS = 1 << 14
 
 
 @functools.lru_cache(maxsize=4)
