@@ -261,21 +261,22 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
     graphdef, state = nnx.split(layers)
     leaves, treedef = jax.tree.flatten(state)
     small = [math.prod(jnp.shape(a)[1:]) <= LAYER_ROW_MAX_ELEMENTS for a in leaves]
+    small_l = [a for a, s in zip(leaves, small) if s]
+    big_l = [a for a, s in zip(leaves, small) if not s]
 
     def step_cached(carry, big_i):
         # The stacked cache rides in the carry: layer i writes its new tokens into it in place and reads its slice.
         x_btd, cache, i = carry
-        big_i, small_i = iter(big_i), iter(kvc.layer_rows([a for a, s in zip(leaves, small) if s], i))
-        layer = nnx.merge(graphdef, jax.tree.unflatten(
-            treedef, [next(small_i) if s else next(big_i) for s in small]))
+        rows_i, big_i = iter(kvc.layer_rows(small_l, i)), iter(big_i)
+        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, [next(rows_i) if s else next(big_i) for s in small]))
         x_btd, st, ex, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
                                      slot_bt=slot_bt, layer_index=i)
         return (x_btd, cache, i + 1), (st, ex)
 
     # A tuple cache is stacked for the scan and unstacked after it (two copies of it per call; the engine gives a
     # scanned model a stacked cache).
-    (x_btd, out, _), (st, ex) = jax.lax.scan(step_cached, (x_btd, kvc.stack(cache), jnp.int32(0)),
-                                             [a for a, s in zip(leaves, small) if not s], cfg.num_hidden_layers)
+    (x_btd, out, _), (st, ex) = jax.lax.scan(step_cached, (x_btd, kvc.stack(cache), jnp.int32(0)), big_l,
+                                             cfg.num_hidden_layers)
     return x_btd, st, ex, (out if cache.stacked else kvc.unstack(out))
 
 
