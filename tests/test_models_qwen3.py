@@ -368,6 +368,11 @@ def test_row_by_mask_gives_the_rows_exact_bits(dtype, last, monkeypatch):
     np.testing.assert_array_equal(as_bits(by_mask), as_bits(by_take))
 
 
+# A NaN with a payload, the smallest subnormal, +Inf (E4M3 has none: its largest finite) as each type's bits.
+SPECIAL_BITS = {"bfloat16": (0x7FC1, 0x0001, 0x7F80), "float32": (0x7FC00001, 0x00000001, 0x7F800000),
+                "float8_e4m3fn": (0x7F, 0x01, 0x7E)}
+
+
 def test_layer_rows_give_each_stacks_row_exact_bits():
     """kv_cache.layer_rows (a scanned decode step's small per-layer arrays, one masked reduction for all of them)
     returns s[i] for each stack, bit for bit: -0, NaN payloads, subnormals, infinities; stacks of 1-, 2- and
@@ -384,7 +389,9 @@ def test_layer_rows_give_each_stacks_row_exact_bits():
     for dtype, shape in kinds:
         size = jnp.dtype(dtype).itemsize
         bits = rng.integers(0, 2 ** (8 * size), size=(n, *shape), dtype=np.uint64).astype(views[size])
-        bits.reshape(n, -1)[1, 0] = 1 << (8 * size - 1)  # -0 (or 128)
+        flat = bits.reshape(n, -1)
+        flat[1, 0] = 1 << (8 * size - 1)  # -0 (or 128)
+        flat[2:5, 0] = SPECIAL_BITS.get(jnp.dtype(dtype).name, (1, 2, 3))  # NaN with a payload, subnormal, Inf
         stacks.append(jax.lax.bitcast_convert_type(jnp.asarray(bits), dtype) if dtype != jnp.uint8
                       else jnp.asarray(bits))
     as_bits = lambda x: np.asarray(x).view(views[x.dtype.itemsize])  # noqa: E731
