@@ -137,25 +137,24 @@ def layer_rows(stacks_l: list[jax.Array], i) -> list[jax.Array]:
     rows are read."""
     if not stacks_l:
         return []
-    words = [_as_words(s) for s in stacks_l]
+    words = [_to_words(s.reshape(s.shape[0], -1)) for s in stacks_l]
     row = row_by_mask(jnp.concatenate(words, axis=1), i)[0]
     out, at = [], 0
     for s, w in zip(stacks_l, words):
-        out.append(_from_words(row[at:at + w.shape[1]], s.shape[1:], s.dtype))
+        out.append(_from_words(row[at:at + w.shape[1]], s.dtype, math.prod(s.shape[1:])).reshape(s.shape[1:]))
         at += w.shape[1]
     return out
 
 
-def _as_words(s: jax.Array) -> jax.Array:
-    """s [L, ...] as uint32 words [L, W]: its bits, 4 / itemsize narrow values to a word where they divide evenly,
-    else one a word."""
+def _to_words(s: jax.Array) -> jax.Array:
+    """s [..., n] (a type of <= 4 bytes) as uint32 words [..., W] along its last axis: its bits, 4 / itemsize
+    narrow values to a word where they divide n evenly, else one a word."""
     size = jnp.dtype(s.dtype).itemsize
     if size > 4:
-        raise ValueError(f"layer_rows: {s.dtype} ({size} bytes) does not fit a uint32 word")
-    u = s.reshape(s.shape[0], -1)
-    u = u if jnp.issubdtype(u.dtype, jnp.unsignedinteger) else jax.lax.bitcast_convert_type(u, _UNSIGNED[size])
-    if _packs(size, u.shape[1]):
-        return jax.lax.bitcast_convert_type(u.reshape(u.shape[0], -1, 4 // size), jnp.uint32)
+        raise ValueError(f"{s.dtype} ({size} bytes) does not fit a uint32 word")
+    u = s if jnp.issubdtype(s.dtype, jnp.unsignedinteger) else jax.lax.bitcast_convert_type(s, _UNSIGNED[size])
+    if _packs(size, s.shape[-1]):  # the row's own bytes: an all-reduce of it moves no padding
+        return jax.lax.bitcast_convert_type(u.reshape(*u.shape[:-1], -1, 4 // size), jnp.uint32)
     return u.astype(jnp.uint32)
 
 
@@ -164,15 +163,14 @@ def _packs(size: int, n: int) -> bool:
     return size < 4 and n % (4 // size) == 0
 
 
-def _from_words(w: jax.Array, shape: tuple, dtype) -> jax.Array:
-    """_as_words' inverse for one row: words [W] -> the [*shape] array of `dtype`."""
+def _from_words(w: jax.Array, dtype, n: int) -> jax.Array:
+    """_to_words' inverse: words [..., W] -> [..., n] of `dtype`."""
     size = jnp.dtype(dtype).itemsize
-    n = math.prod(shape)
     if _packs(size, n):
-        u = jax.lax.bitcast_convert_type(w, _UNSIGNED[size]).reshape(n)
+        u = jax.lax.bitcast_convert_type(w, _UNSIGNED[size]).reshape(*w.shape[:-1], n)
     else:
         u = w.astype(_UNSIGNED[size])
-    return (u if u.dtype == dtype else jax.lax.bitcast_convert_type(u, dtype)).reshape(shape)
+    return u if u.dtype == dtype else jax.lax.bitcast_convert_type(u, dtype)
 
 
 def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int, *, kv_format: str = "bf16", dtype=None,
@@ -419,18 +417,11 @@ def row_by_mask(s: jax.Array, i: jax.Array) -> jax.Array:
     and one all-reduce of a row follows, where XLA:GPU partitions jnp.take / dynamic_slice of a split axis as an
     all-gather of all of s (tools/dryrun.py --target=h200: an insertion held every layer's whole prefill cache on
     every device). A row index outside [0, R) gives zeros."""
-    size = jnp.dtype(s.dtype).itemsize
-    u = s if jnp.issubdtype(s.dtype, jnp.unsignedinteger) else jax.lax.bitcast_convert_type(s, _UNSIGNED[size])
-    per_word = 4 // size
-    packed = per_word > 1 and s.ndim > 1 and s.shape[-1] % per_word == 0
-    if packed:  # 2 or 4 narrow values per uint32: the all-reduce moves the row's own bytes
-        w = jax.lax.bitcast_convert_type(u.reshape(*u.shape[:-1], u.shape[-1] // per_word, per_word), jnp.uint32)
-    else:
-        w = u.astype(jnp.uint32)
+    t = s if s.ndim > 1 else s[:, None]  # words along a row's last axis, never along the rows
+    w = _to_words(t)
     hit = (jnp.arange(s.shape[0]) == i).reshape(-1, *([1] * (w.ndim - 1)))
     r = jnp.sum(jnp.where(hit, w, jnp.uint32(0)), axis=0, keepdims=True)
-    r = jax.lax.bitcast_convert_type(r, u.dtype).reshape(1, *u.shape[1:]) if packed else r.astype(u.dtype)
-    return r if r.dtype == s.dtype else jax.lax.bitcast_convert_type(r, s.dtype)
+    return _from_words(r, s.dtype, t.shape[-1]).reshape(1, *s.shape[1:])
 
 
 def _row_by_take(s: jax.Array, i: jax.Array) -> jax.Array:
