@@ -67,7 +67,8 @@ VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_int8sc", "w4a16_fp4gemm
             "w4a4_fp4gemm")
 # fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
 LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "int8sc": "xla_int8", "fp4gemm": "fp4_gemm",
-                   "fp4gemmreg": "fp4_gemm", "scan": "xla", "cbwhile": "xla", "nocb": "xla", "exit": "xla"}
+                   "fp4gemmreg": "fp4_gemm", "scan": "xla", "scandsf": "xla", "cbwhile": "xla", "nocb": "xla",
+                   "exit": "xla"}
 # int8sc (e.g. w4a16_int8sc): the int8 layout compiled with XLA's subchannel-dequantisation fusion, which can fuse
 # the codes' bf16 decode (NVFP4Int8Tensor.block_values) into the Triton GEMM, so no decoded bf16 weight goes
 # through HBM; an experimental XLA option (off by default), in the GEMM loops and the engine alike. Compiled for an
@@ -75,9 +76,10 @@ LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "int8sc": "xla_int8", "fp4gemm
 # autotuner picks.
 LAYOUT_XLA_OPTIONS = {"int8sc": (("xla_gpu_experimental_enable_subchannel_dequantisation_fusion", True),)}
 # Engine-only layouts (the GEMM part has none of them): "scan" (e.g. bf16_scan) = the model with scan_layers=True
-# (same shapes, its own random init), decoding with its stacked KV cache, compiled with XLA's dynamic-slice fusion
-# (off by default: without it each step copies every layer's weights out of the stacked parameters before its
-# GEMMs, as XLA:CPU does, see docs/architecture.md); "cbwhile" / "nocb" = the engine's
+# (same shapes, its own random init), decoding with its stacked KV cache as the trainer's sampler.scan_layers=True
+# runs it (no option of its own: XLA's dynamic-slice fusion, which it had, compiles the same program for an H200
+# on the CPU, 2026-12-08, where bf16 copies each layer's weights out of the stack; the GPU's autotuner might pick
+# library GEMMs that take the slice: `"scandsf"` adds it); "cbwhile" / "nocb" = the engine's
 # programs compiled with XLA's command buffers (CUDA graphs) also over while loops and conditionals, so a decode
 # round runs as one graph with no host round trip per step / with no command buffers at all (EngineConfig
 # .xla_options; XLA's default puts fusions and GEMMs in command buffers but not loops).
@@ -85,7 +87,7 @@ ENGINE_XLA_OPTIONS = {
     "cbwhile": (("xla_gpu_enable_command_buffer",
                  "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"),),
     "nocb": (("xla_gpu_enable_command_buffer", ""),),
-    "scan": (("xla_gpu_enable_dynamic_slice_fusion", True),),
+    "scandsf": (("xla_gpu_enable_dynamic_slice_fusion", True),),
     **LAYOUT_XLA_OPTIONS,
 }
 # "exit" (e.g. bf16_exit) = decode rounds that stop once every slot is done (EngineConfig.round_loop="early_exit"):
@@ -299,7 +301,7 @@ def bench_engine(args, bw: float) -> list[dict]:
                                       **(SMALL_MODEL if args.small else {}))
         model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
         scanned = (models.Qwen3(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
-                   if any(s.endswith("_scan") for s in args.samplers) else None)
+                   if any(s.endswith(("_scan", "_scandsf")) for s in args.samplers) else None)
         params_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         for b in args.batches:
             sides, labels, engines = [], [], {}
@@ -308,7 +310,7 @@ def bench_engine(args, bw: float) -> list[dict]:
                 try:
                     policy = sampler_policy(preset, backend=LAYOUT_BACKENDS[layout])
                     calls, prompts, engine = _engine_run(
-                        scanned if layout == "scan" else model, policy, b, args.prompt_len, args.new_tokens,
+                        scanned if layout.startswith("scan") else model, policy, b, args.prompt_len, args.new_tokens,
                         ENGINE_XLA_OPTIONS.get(layout, ()), **ENGINE_CONFIGS.get(layout, {}))
                     engines[label] = engine
                 except Exception as e:  # recorded as this sampler's error by interleaved

@@ -349,6 +349,10 @@ def test_scan_layers_reaches_the_learners_model_and_the_hf_checkpoints(tmp_path)
     ({"learner.rules": ("last:1=bf16",)}, r"model\.scan_layers: scanned layers share one precision"),
     ({"learner.exact": True, "sampler.precision": "bf16", "learner.precision": "bf16",
       "sampler.act_scaling": "row"}, r"learner\.exact: exact mode needs the learner's layers unrolled"),
+    ({"sampler.scan_layers": True, "sampler.rules": ("last:1=bf16",)},
+     r"sampler\.scan_layers: scanned layers share one precision"),
+    ({"sampler.scan_layers": True, "model.scan_layers": False},
+     r"sampler\.scan_layers: keeps the learner's stacked layers, and model\.scan_layers=False stacks none"),
 ])
 def test_scan_layers_refuses_what_a_scanned_learner_cannot_do(over, match):
     c = base_config()

@@ -114,6 +114,21 @@ def test_loop_body_thunks_counts_one_iteration_of_the_step_loop():
         gpu_aot.loop_body_thunks(_THUNKS.split("003:")[0])
 
 
+def test_copies_of_finds_a_layers_keys_and_values_written_anew():
+    """gpu_aot.copies_of on optimized-HLO lines: a fusion writing a layer's K or V (or both, or transposed, in
+    another dtype) is a copy; the in-place scatter into the stacked cache, a same-sized array of other dims (a
+    decoded weight) and a smaller one are not."""
+    hlo = "\n".join([
+        "  %loop_slice_fusion = bf16[1,2,16,8,128,64]{5,4,3,2,1,0} fusion(%a, %i), kind=kLoop, calls=%f1",
+        "  %input_transpose_fusion = f32[16,8,64,128]{3,2,1,0} fusion(%a, %i), kind=kInput, calls=%f2",
+        "  ROOT %input_scatter_fusion = u16[4,2,16,8,128,64]{5,4,3,2,1,0} fusion(%a, %u), kind=kInput, calls=%f3",
+        "  %input_concatenate_fusion = bf16[1024,1024]{1,0} fusion(%w), kind=kInput, calls=%f4",
+        "  %fusion.7 = (f32[16,8,2,128]{3,2,1,0}, f32[16,8,2]{2,1,0}) fusion(%a, %q), kind=kCustom, calls=%f5",
+        "  %loop_dynamic_update_slice_fusion = bf16[16,8,128,64]{3,2,1,0} fusion(%b, %r), kind=kLoop, calls=%f6"])
+    assert gpu_aot.copies_of(hlo, (16, 8, 128, 64)) == ["input_transpose_fusion", "loop_slice_fusion"]
+    assert gpu_aot.copies_of(hlo, (16, 8, 256, 64)) == []
+
+
 @needs_plugin
 def test_the_ptx_check_sees_what_it_guards_against():
     """XLA:GPU's float division is PTX div.full (<= 2 ulp), exp an approximation (ex2.approx.ftz, FMAs), and a
@@ -205,6 +220,8 @@ def test_a_decode_step_is_one_cuda_graph_on_the_h200():
     assert fp8["launches"] == bf16["launches"] and fp8["by_kind"] == bf16["by_kind"], (fp8, bf16)
     assert bf16["command_buffers"] == 1 and bf16["outside_graphs"] == 0 and bf16["nested_loops"] == 0, bf16
     assert bf16["launches"] == bf16["by_kind"]["kCustomKernel"] > 0, bf16  # every launch a kernel of the graph
+    for step in (bf16, fp8, fp4, scanned):  # every step's attention reads the cache where it is
+        assert step["kv_copies"] == [], step
     for step in (bf16, fp8):
         assert step["by_name"].get("input_scatter_fusion") == 2 + 2, step["by_name"]
     assert fp4["by_kind"].get("kCustomCall") == 4 * 2, fp4
@@ -308,7 +325,9 @@ def test_a_scanned_w4a4_layer_loop_is_one_cuda_graph():
     command buffer, with no copy of a slice outside it. Its small per-layer arrays (norm weights, the 4-bit
     weights' tensor scales) come from one masked reduction (kv_cache.layer_rows); a dynamic slice of each (a
     DynamicSliceFusion copy outside the graphs wherever a norm's Triton fusion reads it) split the body into 4
-    graphs with 8 launches between them (the 4B's: 288 launches a step outside the graphs)."""
+    graphs with 8 launches between them (the 4B's: 288 launches a step outside the graphs). Its attention reads
+    the layer's keys and values in the stacked cache (kv_cache.attention_in_place): no kernel copies them out of
+    the stack first, as one did before the GEMM form's fusions (a whole layer's K and V a step)."""
     out = _run("""
         import json
         from triage_jax.tools import gpu_aot
@@ -321,6 +340,7 @@ def test_a_scanned_w4a4_layer_loop_is_one_cuda_graph():
     # Per layer: the loop condition's kernel outside the graphs, the body's kernels inside one.
     assert out["nested_outside_graphs"] == 1 and out["command_buffers"] == 2, out
     assert out["by_name"].get("loop_reduce_fusion", 0) + out["by_name"].get("input_reduce_fusion", 0) >= 1, out
+    assert out["kv_copies"] == [], out
 
 
 @needs_plugin

@@ -409,8 +409,9 @@ def test_layer_rows_give_each_stacks_row_exact_bits():
 
 def test_an_fp8_cache_gives_both_attention_forms_its_dequantized_values():
     """An FP8 cache with its per-tensor scales: on the CPU cached_attention is the blocks form over the cache as
-    kv_cache.read dequantizes it, bit for bit; the GPU's form (attention_rows, which multiplies the scales into the
-    scores and the output instead of dequantizing the cache) agrees with it to bf16 rounding. A scale applied
+    kv_cache.read dequantizes it, bit for bit; the GPU's forms (attention_rows and the stacked cache's
+    attention_in_place, which multiply the scales into the scores and the output instead of dequantizing the
+    cache) agree with it to bf16 rounding. A scale applied
     twice, to the wrong side or not at all is off by far more (the scales here are 3.5 and 0.125)."""
     from triage_jax.models import kv_cache as kvc
 
@@ -424,16 +425,16 @@ def test_an_fp8_cache_gives_both_attention_forms_its_dequantized_values():
     attend = jax.jit(lambda *a: kvc.cached_attention(*a[:4], h**-0.5, *a[4:]))
     blocks = jax.jit(lambda q, kb, vb, sl, ks, vs: kvc.attention_blocks(
         q, kvc.read(kb, ks, q.dtype), kvc.read(vb, vs, q.dtype), sl, scale=h**-0.5))
-    rows = jax.jit(lambda *a: kvc.attention_rows(*a, scale=h**-0.5))
     want = np.asarray(blocks(q, k8, v8, slot, ks, vs).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(attend(q, k8, v8, slot, ks, vs).astype(jnp.float32)), want)
-    got = np.asarray(rows(q, k8, v8, slot, ks, vs).astype(jnp.float32))
-    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+    for form in (kvc.attention_rows, kvc.attention_in_place):
+        got = np.asarray(jax.jit(functools.partial(form, scale=h**-0.5))(q, k8, v8, slot, ks, vs).astype(jnp.float32))
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), err_msg=form.__name__)
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_both_cached_attention_forms_are_masked_softmax_attention(dtype):
-    """kv_cache.cached_attention's two forms (64-slot blocks on the CPU, one softmax per row elsewhere: the GPU's)
-    against jax.nn.dot_product_attention with the causal-slot mask, GQA, one and several new tokens; a float32
+    """kv_cache.cached_attention's forms (64-slot blocks on the CPU, one softmax per row elsewhere: the GPU's,
+    and the GPU's multiply-and-sum form for one new token a row over a stacked cache) against jax.nn.dot_product_attention with the causal-slot mask, GQA, one and several new tokens; a float32
     cache agrees to float32 rounding, a bf16 one to the rounding of its probabilities. Each row's result is its
     own: another row's cache, slot or queries never move a bit of it (the engine's "schedule never changes a
     request" rests on that, for a given slot count), and on the CPU the dispatcher is the blocks form, bit for bit."""
@@ -451,10 +452,11 @@ def test_both_cached_attention_forms_are_masked_softmax_attention(dtype):
             f32(q), f32(k).transpose(0, 2, 1, 3), f32(v).transpose(0, 2, 1, 3), mask=mask, scale=h**-0.5))
         want = np.asarray(reference(q, k, v, mask))
         forms = {name: jax.jit(functools.partial(f, scale=h**-0.5)) for name, f in
-                 (("blocks", kvc.attention_blocks), ("rows", kvc.attention_rows), ("cpu", kvc.cached_attention))}
+                 (("blocks", kvc.attention_blocks), ("rows", kvc.attention_rows), ("cpu", kvc.cached_attention),
+                  ("in_place", kvc.attention_in_place))}
         got = {name: f(q, k, v, slot) for name, f in forms.items()}
         np.testing.assert_array_equal(np.asarray(f32(got["cpu"])), np.asarray(f32(got["blocks"])))
-        for name in ("blocks", "rows"):
+        for name in ("blocks", "rows", "in_place"):
             np.testing.assert_allclose(np.asarray(f32(got[name])), want, atol=tol, err_msg=f"{name} {(b, t, s)}")
             # The other rows' caches, queries and slots replaced (the same shapes: a batch of another size can sum
             # in another order on the CPU): row 0 is unchanged.

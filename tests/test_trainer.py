@@ -401,7 +401,8 @@ def test_exact_mode_run_has_zero_mismatch(tmp_path):
 def test_scanned_learner_trains_with_an_unrolled_sampler_and_resumes(tmp_path):
     """model.scan_layers=True (the paper configs): the learner's layers are stacked, every sync hands the sampler
     the unrolled copy (its decode step), and the stacked checkpoint restores; resuming it with the layers
-    unrolled fails naming the key, and leaves the checkpoints where they are."""
+    unrolled fails naming the key, and leaves the checkpoints where they are. With sampler.scan_layers=True the
+    sampler keeps them stacked, and its first step's numbers are the unrolled sampler's, bit for bit."""
     c = small_config(tmp_path, **{"model.scan_layers": True, "model.remat": "full", "train.steps": 2})
     tr = Trainer(c)
     hist = tr.run()
@@ -425,3 +426,16 @@ def test_scanned_learner_trains_with_an_unrolled_sampler_and_resumes(tmp_path):
         build.load_policy(unrolled.cfg)
     model, _, step = build.load_policy(c)
     assert step == 2 and model.cfg.scan_layers
+    # sampler.scan_layers=True keeps the layers stacked in the sampler (its decode a loop over them): on the CPU
+    # the same rollout bits as the unrolled sampler, so the first step's numbers are the unrolled run's.
+    stacked = Trainer(small_config(tmp_path / "stacked", **{
+        "model.scan_layers": True, "model.remat": "full", "train.steps": 1, "sampler.scan_layers": True,
+        "warmup.cache_dir": c.warmup.cache_dir}))
+    first = stacked.run()[0]
+    assert stacked.sampler_model.cfg.scan_layers
+    from flax import nnx
+
+    assert all(a.shape[0] == 2 for a in jax.tree.leaves(nnx.state(stacked.sampler_model.layers)))  # [L, ...]
+    same = {k: (first[k], hist[0][k]) for k in hist[0] if not k.startswith("time/")}
+    assert all(a == b or (np.isnan(a) and np.isnan(b)) for a, b in same.values()), same
+    assert first["mismatch/mean_abs_delta"] > 0 and first["response/length_mean"] > 0, first

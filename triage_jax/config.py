@@ -135,6 +135,11 @@ def base_config() -> ml_collections.ConfigDict:
     # no host round trip per step on a GPU), "early_exit" (stops once every response is done) or "auto" (fixed on
     # GPUs, early_exit elsewhere). The same tokens either way.
     c.sampler.round_loop = "auto"
+    # The sampler's layers, for a scanned learner (model.scan_layers): False unrolls them at each sync (the decode
+    # step one program of every layer's kernels), True keeps them stacked (the decode step a loop over the layers:
+    # ~10x less XLA compile, the 4B W4A4 round ~5 s instead of ~35-50 s, compiled for an H200 on a CPU). Which
+    # step is faster on a GPU is experiments/bench_gpu.py's to say (its `w4a4_scan` row): unrolled until then.
+    c.sampler.scan_layers = False
 
     c.learner = ml_collections.ConfigDict()
     c.learner.precision = "bf16"
@@ -288,6 +293,13 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
               f"(leave it 0)")
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
     _one_of(c, "model.scan_layers", (False, True))
+    _one_of(c, "sampler.scan_layers", (False, True))
+    if c.sampler.scan_layers and not c.model.scan_layers:
+        _fail("sampler.scan_layers", "keeps the learner's stacked layers, and model.scan_layers=False stacks none "
+              "(set model.scan_layers=True)")
+    if c.sampler.scan_layers and tuple(c.sampler.rules):
+        _fail("sampler.scan_layers", f"scanned layers share one precision; sampler.rules={tuple(c.sampler.rules)} "
+              f"gives some layers their own (set sampler.scan_layers=False)")
     if c.model.scan_layers and tuple(c.learner.rules):
         _fail("model.scan_layers", f"scanned layers share one precision; learner.rules={tuple(c.learner.rules)} "
               f"gives some layers their own (set model.scan_layers=False)")

@@ -125,7 +125,8 @@ def prepare_model(model, policy: PrecisionPolicy, *, mesh=None, rules=None, unst
     unstacked: models.unstack_layers), the weights quantized once (no-op for high precision), a layer's q / k / v
     and gate / up merged where the backend merges them and the engine's `mesh` (by `rules`) does not split them
     (models.prequantize_model). unstack=False keeps a scanned model's layers stacked, its decode step a loop over
-    them (what the GPU benchmarks weigh against unrolled: experiments/bench_gpu.py's *_scan samplers)."""
+    them (config sampler.scan_layers; what the GPU benchmarks weigh against unrolled: experiments/bench_gpu.py's
+    *_scan samplers)."""
     from triage_jax import models
 
     return models.prequantize_model(models.unstack_layers(model) if unstack else model, policy, mesh=mesh,

@@ -186,7 +186,7 @@ class Trainer:
     def _prepare(self, params):
         """The sampler's copy of these learner parameters (None: the learner's own), for the engine's mesh."""
         return sampler.prepare_model(self.learner.model(params), self.sampler_policy, mesh=self.engine.mesh,
-                                     rules=self.engine.rules)
+                                     rules=self.engine.rules, unstack=not self.cfg.sampler.scan_layers)
 
     # ---------------------------------------------------------------------------------------------- rollout
     def rollout(self, key) -> tuple[rollout_lib.Rollout, dict[str, float], float]:

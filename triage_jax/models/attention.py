@@ -90,7 +90,7 @@ class Attention(nnx.Module):
                 out_btnh = invariant.attention(q_btnh, k_bksh, v_bksh, visible_bts, self.head_dim**-0.5)
             else:
                 out_btnh = kvc.cached_attention(q_btnh, k_buf, v_buf, slot_bt, self.head_dim**-0.5, k_scale,
-                                                v_scale)
+                                                v_scale, stacked=cache.stacked)
             return self.o_proj(out_btnh, policy), cache
         t = q_btnh.shape[1]
         if exact:

@@ -314,26 +314,39 @@ def resize(cache: KVCache, max_len: int) -> KVCache:
     return map_layers(fit, cache)
 
 
-@functools.partial(jax.jit, static_argnames="scale")  # traced once per shape, not once per layer
+# attention_in_place up to this many query heads per KV head: XLA:GPU's cost model (jaxlib 0.10.2) fuses a layer's
+# slice of the stacked cache into the reductions at 2 and 4 (Qwen3 dense), and at 8 (30B-A3B) copies it out first,
+# as before the GEMMs (`python -m triage_jax.tools.gpu_aot decode --scan-layers`, its `kv copies`).
+IN_PLACE_MAX_GROUP = 4
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "stacked"))  # traced once per shape, not once per layer
 def cached_attention(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot_bt: jax.Array,
-                     scale: float, k_scale: jax.Array | float = 1.0, v_scale: jax.Array | float = 1.0) -> jax.Array:
+                     scale: float, k_scale: jax.Array | float = 1.0, v_scale: jax.Array | float = 1.0, *,
+                     stacked: bool = False) -> jax.Array:
     """Causal attention of T new queries (at slots q_slot_bt) over one layer's cache buffers [B, KVH, S, Dh] (FP8
     with their per-tensor scales, or the compute dtype): out [B, T, N, Dh].
 
     A query sees the slots <= its own (rows are filled from slot 0, so that is exactly its real context). GQA by
     grouping the N query heads per KV head, float32 scores and softmax, the cache read in the compute dtype with
-    float32 accumulation (no per-step float32 copy of the cache). Two forms of one computation, picked by the
+    float32 accumulation (no per-step float32 copy of the cache). Forms of one computation, picked by the
     platform the program is lowered for: `attention_blocks` on the CPU (on the cache as `read` dequantizes it),
-    `attention_rows` elsewhere (a GPU runs it in 3 kernels instead of 6). They agree to float rounding; each row's
-    result depends on that row alone in both, so a request's bits never depend on its slot or the other requests."""
+    `attention_rows` elsewhere (a GPU runs it in 3 kernels instead of 6), and there `attention_in_place` for one
+    new token a row when the buffers are a layer of a stacked cache (`stacked`: a scanned model's decode step)
+    and a KV head has at most IN_PLACE_MAX_GROUP query heads.
+    They agree to float rounding; each row's result depends on that row alone in all, so a request's bits never
+    depend on its slot or the other requests."""
     if k_buf.shape[2] % BLOCK:
         raise ValueError(f"cached_attention: cache capacity {k_buf.shape[2]} is not a multiple of {BLOCK}")
 
     def blocks(q, kb, vb, slot, ks, vs):
         return attention_blocks(q, read(kb, ks, q.dtype), read(vb, vs, q.dtype), slot, scale=scale)
 
+    g = q_btnh.shape[2] // k_buf.shape[1]
+    in_place = stacked and q_btnh.shape[1] == 1 and g <= IN_PLACE_MAX_GROUP
+    gpu = attention_in_place if in_place else attention_rows
     return jax.lax.platform_dependent(q_btnh, k_buf, v_buf, q_slot_bt, jnp.float32(k_scale), jnp.float32(v_scale),
-                                      cpu=blocks, default=functools.partial(attention_rows, scale=scale))
+                                      cpu=blocks, default=functools.partial(gpu, scale=scale))
 
 
 def _queries_per_kv_head(q_btnh: jax.Array, kvh: int, dtype) -> jax.Array:
@@ -405,6 +418,49 @@ def attention_rows(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot
     if fp8:
         out_bkqh = out_bkqh * jnp.float32(v_scale)
     return _heads_back(out_bkqh, t, q_btnh.dtype)
+
+
+def attention_in_place(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_slot_bt: jax.Array,
+                       k_scale: jax.Array | float = 1.0, v_scale: jax.Array | float = 1.0, *,
+                       scale: float) -> jax.Array:
+    """cached_attention off the CPU over a layer of a stacked cache, for a few queries a row (decode): both
+    contractions as multiply-and-sum reductions, which XLA:GPU fuses with the layer's dynamic slice of the stacked
+    [L, ...] buffer and so reads the layer's keys and values in place. Its GEMM fusions (`attention_rows`) take no
+    slice: under a layer loop XLA copies the layer's keys and values out of the stack before them (4B, batch 64,
+    capacity 512: 134 MB a layer, read and written; `python -m triage_jax.tools.gpu_aot decode --scan-layers`).
+
+    Two things keep XLA from copying the cache anyway: both products are held to the row-major layout (XLA's
+    layout assignment turns a reduction's operand to make it a row reduction: for the value sum it made the stacked
+    cache slot-minor, a transposed copy of all of it around each round, at head dim 64 and at the 1.7B), and the
+    probabilities pass an optimization barrier (else XLA's Triton softmax fusion takes the value sum in, and a copy
+    of the values with it: an FP8 cache at the 4B). The softmax's sum is divided out after the value sum (as in
+    `attention_blocks`) and the probabilities stay float32; an FP8 cache's values convert inside the reductions
+    and its scales multiply the scores and the output, as in `attention_rows`. The sums run on CUDA cores, not
+    tensor cores: meant for one new token a row, where reading the cache is the cost (a KV head's G queries read its
+    keys G times, from the L2 when they run close together); a chunk of many new tokens keeps the GEMMs."""
+    t, s = q_btnh.shape[1], k_buf.shape[2]
+    g = q_btnh.shape[2] // k_buf.shape[1]
+    fp8 = k_buf.dtype == FP8
+    q_bkqh = _queries_per_kv_head(q_btnh, k_buf.shape[1], F32)
+    score_scale = jnp.float32(scale) * jnp.float32(k_scale) if fp8 else jnp.float32(scale)
+    scores_bkqs = jnp.sum(_row_major(q_bkqh[:, :, :, None, :] * k_buf.astype(F32)[:, :, None]), axis=-1)
+    scores_bkqs = scores_bkqs * score_scale
+    visible_bqs = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= jnp.tile(q_slot_bt, (1, g))[:, :, None]
+    scores_bkqs = jnp.where(visible_bqs[:, None], scores_bkqs, -jnp.inf)
+    p_bkqs = jnp.exp(scores_bkqs - jnp.max(scores_bkqs, axis=-1, keepdims=True))
+    p_bkqs = jax.lax.optimization_barrier(p_bkqs)
+    num_bkqh = jnp.sum(_row_major(p_bkqs[..., None] * v_buf.astype(F32)[:, :, None]), axis=-2)
+    out_bkqh = num_bkqh / jnp.sum(p_bkqs, axis=-1)[..., None]
+    if fp8:
+        out_bkqh = out_bkqh * jnp.float32(v_scale)
+    return _heads_back(out_bkqh, t, q_btnh.dtype)
+
+
+def _row_major(x: jax.Array) -> jax.Array:
+    """x with its layout held to the default row-major one (a constraint for XLA's layout assignment)."""
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}

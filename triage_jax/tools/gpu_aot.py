@@ -66,6 +66,7 @@ import dataclasses  # noqa: E402
 import glob  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -263,20 +264,34 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
+def fusion_shapes(hlo: str) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Each fusion's output parts (dtype, dims) in an optimized HLO module, by name (a tuple's parts in order)."""
+    return {name: [(dtype, tuple(int(d) for d in dims.split(",") if d))
+                   for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape)]
+            for name, shape in _FUSION.findall(hlo)}
+
+
 def fusion_outputs(hlo: str) -> dict[str, int]:
     """Bytes each fusion of an optimized HLO module writes (its output shapes; a tuple's parts summed), by name:
     what a program's kernels put in memory for the next one to read back. An in-place update (a scatter into the
     KV cache) counts its whole buffer, though it writes only the updated slots."""
-    out = {}
-    for name, shape in _FUSION.findall(hlo):
-        total = 0
-        for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            total += n * _BYTES.get(dtype, 4)
-        out[name] = total
-    return out
+    return {name: sum(math.prod(dims) * _BYTES.get(dtype, 4) for dtype, dims in parts)
+            for name, parts in fusion_shapes(hlo).items()}
+
+
+def copies_of(hlo: str, dims: tuple[int, ...]) -> list[str]:
+    """The fusions of an optimized HLO module that write an array with the elements of `dims` (or twice as many)
+    and each of its dims among theirs, other than in-place updates (scatters, dynamic-update-slices: their output
+    is the buffer they update): with a layer's KV buffer [B, KVH, S, Dh], its keys and / or values copied (sliced
+    out of a stacked cache, transposed, converted) before a kernel reads them."""
+    n, want = math.prod(dims), collections.Counter(dims)
+
+    def match(shape):
+        return math.prod(shape) in (n, 2 * n) and not want - collections.Counter(shape)
+
+    return sorted(name for name, parts in fusion_shapes(hlo).items()
+                  if "scatter" not in name and "dynamic_update_slice" not in name
+                  and any(match(shape) for _, shape in parts))
 
 
 def _engine(model_name: str, sampler: str, batch: int, capacity: int, prompt_len: int, kv_cache: str,
@@ -322,9 +337,11 @@ def decode_step(model_name: str, sampler: str, batch: int, capacity: int = 512, 
         extra = cfg.num_hidden_layers - 1
         body["launches"] += extra * body["nested_launches"]
         body["outside_graphs"] += extra * body["nested_outside_graphs"]
+    # Kernels writing a whole layer's keys or values (a copy of the cache: attention reads it in place).
+    kv_copies = copies_of(out.hlo, (batch, cfg.num_key_value_heads, capacity, cfg.head_dim))
     return {"model": model_name, "sampler": sampler, "kv_cache": kv_cache, "batch": batch,
             "layers": cfg.num_hidden_layers, "scan_layers": cfg.scan_layers, "xla_options": dict(xla_options),
-            "steps_per_round": steps, "compile_s": round(compile_s, 1), **body,
+            "steps_per_round": steps, "compile_s": round(compile_s, 1), "kv_copies": kv_copies, **body,
             "launches_per_layer": round(body["launches"] / cfg.num_hidden_layers, 1)}
 
 
@@ -446,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode step on {where}, XLA of jaxlib {_jaxlib_version()}, {args.kv_cache} KV cache: kernels "
           "launched per step")
     print(f"{'model':>12} {'sampler':>14} {'batch':>5} {'launches':>8} {'/layer':>6} {'graphs':>6} {'ungraphed':>9}"
-          f" {'compile s':>9}" + (f" {'prefill s':>9}" if args.prefill else "") + "  most")
+          f" {'kv copies':>9} {'compile s':>9}" + (f" {'prefill s':>9}" if args.prefill else "") + "  most")
     for name in args.models.split(","):
         for sampler in args.samplers.split(","):
             step = lambda: decode_step(name, sampler, args.batch, device=device, kv_cache=args.kv_cache,  # noqa: E731
@@ -465,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
             top = ", ".join(f"{k} {v}" for k, v in list(r["by_name"].items())[:5])
             pre = f" {r['prefill_compile_s']:>9}" if args.prefill else ""
             print(f"{name:>12} {sampler:>14} {args.batch:>5} {r['launches']:>8} {r['launches_per_layer']:>6} "
-                  f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {r['compile_s']:>9}{pre}  {top}", flush=True)
+                  f"{r['command_buffers']:>6} {r['outside_graphs']:>9} {len(r['kv_copies']):>9} {r['compile_s']:>9}"
+                  f"{pre}  {top}", flush=True)
             if args.passes:
                 print(" " * 13 + "slowest: " + ", ".join(f"{k} {v} s" for k, v in r["slowest_passes_s"].items()))
     return _emit("decode", rows, args.json)
