@@ -40,7 +40,9 @@ values go in as bf16 (every NVFP4 / MXFP8 / FP8 value is a bf16) and their facto
 Per-expert (grouped) weights, `fp4_grouped_matmul` (jax.lax.ragged_dot's contract): each group's rows are moved
 to row tiles of their own, a table gives each tile its expert (read by the kernel as a scalar from global memory,
 then a dynamic slice of the stacked codes and scales) and its valid rows (an empty tile is skipped: nothing read,
-nothing written). An expert's weight crosses HBM once per row tile of its group.
+nothing written). An expert's weight crosses HBM once per row tile of its group. A scanned model's layer reads
+its own weights out of the stacked ones the same way (`FP4GemmWeight.layer_view`: every tile's index is the
+layer's), where a dynamic slice of the stacks would be a copy of the layer's codes and scales before the call.
 """
 
 from __future__ import annotations
@@ -86,11 +88,34 @@ class FP4GemmWeight:
     fmt_name: str = struct.field(pytree_node=False, default="nvfp4")
     rounding: str = struct.field(pytree_node=False, default="floor")
     splits: tuple[int, ...] = struct.field(pytree_node=False, default=())  # merged: its parts' N (concat_weights)
+    # A layer of stacked weights (codes [L, K/32, N, 16]): the traced index the kernel reads them at (`layer_view`).
+    layer: jax.Array | None = None
+
+    # A scanned model's layer takes its view of the stacked weights (layer_view) rather than a slice of them, which
+    # XLA copies out of the stack before a custom kernel (models.qwen3._scan_layers).
+    LAYER_INDEXED = True
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """(..., N, K) of the weight (a leading E for per-expert weights, prepare_weight under vmap)."""
-        return tuple(self.codes.shape[:-3]) + (self.n, self.k)
+        """(..., N, K) of the weight (a leading E for per-expert weights, prepare_weight under vmap; a layer view's
+        is its layer's)."""
+        lead = tuple(self.codes.shape[:-3])
+        return (lead[1:] if self.layer is not None else lead) + (self.n, self.k)
+
+    def layer_view(self, i: jax.Array, amax: jax.Array) -> FP4GemmWeight:
+        """Layer i of stacked dense weights (codes [L, K/32, N, 16], amax [L]) with that layer's amax row `amax`,
+        for the kernel to read in place (fp4_matmul): no copy of the layer's codes and scales."""
+        if self.codes.ndim != 4 or self.splits or self.layer is not None:
+            raise ValueError(f"FP4GemmWeight.layer_view: stacked dense weights expected, got codes {self.codes.shape}"
+                             f"{' (merged)' if self.splits else ''}{' (a view)' if self.layer is not None else ''}")
+        return self.replace(amax=amax, layer=jnp.asarray(i, I32))
+
+    def sliced(self) -> FP4GemmWeight:
+        """A layer view as the layer's own weight (a dynamic slice of the stacks: a copy); any other as it is."""
+        if self.layer is None:
+            return self
+        take = lambda a: lax.dynamic_index_in_dim(a, self.layer, keepdims=False)  # noqa: E731
+        return self.replace(codes=take(self.codes), scales=take(self.scales), layer=None)
 
     @property
     def factor(self) -> jax.Array:
@@ -107,9 +132,10 @@ class FP4GemmWeight:
                                axis=-1)
 
     def unmerged(self) -> list[FP4GemmWeight]:
-        """The parts of a merged weight (concat_weights), [self] for one weight: slices, nothing re-laid out."""
+        """The parts of a merged weight (concat_weights), [self] for one weight (a layer view: its layer's):
+        slices, nothing re-laid out."""
         if not self.splits:
-            return [self]
+            return [self.sliced()]
         parts, n0 = [], 0
         for i, n in enumerate(self.splits):
             amax = self.amax[i] if self.fmt_name == "nvfp4" else jnp.float32(0.0)
@@ -124,6 +150,8 @@ class FP4GemmWeight:
         if self.splits:
             raise ValueError(f"FP4GemmWeight.to_tensor: a merged weight (parts of N {self.splits}) has no single "
                              "tensor; take each part's (unmerged())")
+        if self.layer is not None:
+            return self.sliced().to_tensor()
         (k_chunks, n_pad, _), (n, k) = self.codes.shape, self.shape
         c = self.codes.astype(jnp.uint32)
         codes = jnp.stack([c & 0xF, c >> 4], axis=2).transpose(1, 0, 2, 3).reshape(n_pad, k_chunks * 16, 2)
@@ -373,19 +401,23 @@ def fp4_matmul(x: jax.Array, w: FP4GemmWeight, *, split_k: int | None = None, ch
     the kernel. a_operand: "smem" (the decoded tiles through shared memory, the tested path) or "registers"
     (wgmma's A straight from registers: no shared-memory round trip or barrier per step; compiled only, since the
     interpreter has no register operands; raced against "smem" by experiments/bench_gpu.py)."""
-    if w.codes.ndim != 3:
+    if w.codes.ndim != 3 + (w.layer is not None):
         raise ValueError(f"fp4_matmul: one weight expected, got codes {w.codes.shape} (per expert: fp4_grouped_matmul)")
     n_true, k_true = w.shape
     if x.ndim != 2 or x.shape[1] != k_true:
         raise ValueError(f"fp4_matmul: expected x[M, {k_true}] for a weight [N={n_true}, K={k_true}], got x {x.shape}")
     interpret = mosaic.default_interpret() if interpret is None else interpret
     _check_a_operand(a_operand, interpret)
-    k = w.codes.shape[0] * CHUNK  # the padded layout's
+    k = w.codes.shape[-3] * CHUNK  # the padded layout's
     m = x.shape[0]
     tile_m = min(256, -(-m // 16) * 16)
     mp = -(-m // tile_m) * tile_m
     tiles = mp // tile_m
-    parts = _kernel_call(w.codes[None], w.scales[None], _padded(x, k, mp), jnp.zeros((tiles,), I32),
+    # A layer view: the whole stacks go in, and every row tile reads layer `w.layer` of them (the kernel's per-tile
+    # expert index, as for per-expert weights); the same schedule and bits as the layer's own weight.
+    stacked = w.layer is not None
+    parts = _kernel_call(w.codes if stacked else w.codes[None], w.scales if stacked else w.scales[None],
+                         _padded(x, k, mp), jnp.full((tiles,), w.layer if stacked else 0, I32),
                          jnp.full((tiles,), tile_m, I32), tile_m=tile_m, mx=w.fmt_name == "mxfp4",
                          chunks_per_step=chunks_per_step, split_k=split_k, steps_in_flight=steps_in_flight,
                          interpret=interpret, regs=a_operand == "registers")

@@ -58,6 +58,24 @@ def test_fp4_matmul_several_row_tiles():
     _check(fg.fp4_matmul(x, fg.prepare_weight(q)), x, q)
 
 
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4"])
+def test_a_layer_view_of_stacked_weights_is_that_layers_product_bit_for_bit(fmt_name):
+    """FP4GemmWeight.layer_view (a scanned model's layer: the kernel reads layer i of the stacked codes and scales
+    in place) against the layer's own weight, for every layer, the index traced: the same kernel schedule, so the
+    same bits; to_tensor / dequantize / shape are the layer's. A wrong layer (or none) fails: the layers differ."""
+    layers = [fg.prepare_weight(_weight(128, 96, fmt_name, seed=10 + i)) for i in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x = _x(5, 96, seed=4)
+    view_product = jax.jit(lambda i: fg.fp4_matmul(x, stacked.layer_view(i, stacked.amax[i])))
+    for i, w in enumerate(layers):
+        view = stacked.layer_view(jnp.int32(i), stacked.amax[i])
+        assert view.shape == (128, 96) and not fg.concat_weights([view, view])
+        np.testing.assert_array_equal(np.asarray(view_product(jnp.int32(i))), np.asarray(fg.fp4_matmul(x, w)))
+        np.testing.assert_array_equal(np.asarray(view.dequantize()), np.asarray(w.dequantize()))
+    with pytest.raises(ValueError, match="stacked dense weights expected"):
+        layers[0].layer_view(jnp.int32(0), layers[0].amax)
+
+
 def test_weight_layout_holds_each_block_in_one_nibble_plane():
     """codes[c, n, j]: low nibble W[n, 32c + j], high nibble W[n, 32c + 16 + j]; scales K-major."""
     q = _weight(64, 96, "nvfp4", seed=4)
@@ -375,21 +393,42 @@ def test_fp4_gemm_weights_are_replicated_and_merged_on_a_tensor_mesh():
 
 
 @pytest.mark.slow
-def test_fp4_gemm_sampler_gives_the_xla_samplers_greedy_tokens():
-    """The tiny engine's greedy tokens with the kernel for every 4-bit weight GEMM (Mosaic GPU's interpreter here)."""
+def test_fp4_gemm_sampler_gives_the_xla_samplers_greedy_tokens(monkeypatch):
+    """The tiny engine's greedy tokens with the kernel for every 4-bit weight GEMM (Mosaic GPU's interpreter here),
+    and with the layers scanned: each layer's kernels read its view of the stacked weights (FP4GemmWeight
+    .layer_view), giving the tokens and log-probs of the same layers' weights sliced out of the stacks, bit for
+    bit, and the xla sampler's greedy tokens of that model."""
     from flax import nnx
 
-    from triage_jax.models import Qwen3, get_model_config
+    from triage_jax.kernels.fp4_gemm import FP4GemmWeight
+    from triage_jax.models import Qwen3, get_model_config, qwen3
     from triage_jax.sampler import Engine, EngineConfig, SamplingConfig, prepare_model, sampler_policy
 
     cfg = get_model_config("tiny", num_hidden_layers=2, dtype="bfloat16", param_dtype="bfloat16")  # bf16: the kernel
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    scanned = Qwen3(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))  # stacked layers (weights of their own)
     prompts = [[5, 17, 99, 3], [40, 41, 42], [77, 8, 9, 60]]
 
-    def greedy(backend):
+    def generate(backend, m=model, unstack=True):
         policy = sampler_policy("w4a16", backend=backend)
+        prepared = prepare_model(m, policy, unstack=unstack)
         eng = Engine(SamplingConfig(max_new_tokens=8, greedy=True), EngineConfig(max_slots=4, max_len=16),
-                     policy=policy, model=prepare_model(model, policy))
-        return np.asarray(eng.generate(prompts, jax.random.key(0)).tokens)
+                     policy=policy, model=prepared)
+        return prepared, eng.generate(prompts, jax.random.key(0))
 
-    np.testing.assert_array_equal(greedy("fp4_gemm"), greedy("xla"))
+    _, kernel = generate("fp4_gemm")
+    xla = np.asarray(generate("xla")[1].tokens)
+    np.testing.assert_array_equal(np.asarray(kernel.tokens), xla)
+    prepared, viewed = generate("fp4_gemm", scanned, unstack=False)
+    w = prepared.layers.mlp.down_proj.kernel.get_value().q
+    assert isinstance(w, FP4GemmWeight) and w.codes.ndim == 4  # [L, K/32, N, 16]: what the layers' views read
+    monkeypatch.setattr(qwen3, "_layer_indexed", lambda x: False)  # each layer's weights sliced out of the stacks
+    jax.clear_caches()  # programs traced with the views
+    try:
+        _, sliced = generate("fp4_gemm", scanned, unstack=False)
+    finally:
+        jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(viewed.tokens), np.asarray(sliced.tokens))
+    np.testing.assert_array_equal(np.asarray(viewed.logprobs), np.asarray(sliced.logprobs))
+    xla_scanned = generate("xla", scanned, unstack=False)[1]
+    np.testing.assert_array_equal(np.asarray(viewed.tokens), np.asarray(xla_scanned.tokens))

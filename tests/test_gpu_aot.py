@@ -327,14 +327,21 @@ def test_a_scanned_w4a4_layer_loop_is_one_cuda_graph():
     DynamicSliceFusion copy outside the graphs wherever a norm's Triton fusion reads it) split the body into 4
     graphs with 8 launches between them (the 4B's: 288 launches a step outside the graphs). Its attention reads
     the layer's keys and values in the stacked cache (kv_cache.attention_in_place): no kernel copies them out of
-    the stack first, as one did before the GEMM form's fusions (a whole layer's K and V a step)."""
-    out = _run("""
+    the stack first, as one did before the GEMM form's fusions (a whole layer's K and V a step). With the fp4_gemm
+    backend, the kernels read the stacked 4-bit weights in place too."""
+    rows = _run("""
         import json
         from triage_jax.tools import gpu_aot
         from experiments.bench_gpu import SMALL_MODEL as small
-        print(json.dumps(gpu_aot.decode_step("qwen3_0_6b", "w4a4", 16, capacity=128, prompt_len=32,
-                                             device=gpu_aot.h200(), overrides=dict(small, scan_layers=True))))
+        scanned = dict(small, scan_layers=True)
+        print(json.dumps([gpu_aot.decode_step("qwen3_0_6b", s, 16, capacity=128, prompt_len=32, device=gpu_aot.h200(),
+                                              overrides=scanned) for s in ("w4a4", "w4a4:fp4_gemm")]))
     """)
+    out, kernel = rows
+    # The fp4_gemm kernels read each layer's view of the stacked weights (FP4GemmWeight.layer_view): no copy of a
+    # layer's codes and scales before a kernel (sliced, 7 DynamicSliceFusions and 7 copies a layer).
+    assert kernel["by_kind"].get("kCustomCall") == 7 and "kDynamicSliceFusion" not in kernel["by_kind"], kernel
+    assert kernel["kv_copies"] == [] and kernel["nested_loops"] == 1, kernel
     assert out["nested_loops"] == 1 and out["layers"] == 2, out
     assert "kDynamicSliceFusion" not in out["by_kind"], out["by_kind"]
     # Per layer: the loop condition's kernel outside the graphs, the body's kernels inside one.

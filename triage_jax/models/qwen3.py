@@ -257,18 +257,23 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
         return x_btd, st, ex, None
 
     # The small per-layer arrays (norm weights, quantized weights' tensor scales) are selected from the whole stacks
-    # by kvc.layer_rows (one small reduction a layer), the rest scanned (a dynamic slice per layer).
+    # by kvc.layer_rows (one small reduction a layer), weights a custom kernel reads at the layer index itself
+    # (LAYER_INDEXED: fp4_gemm's) are handed over whole as the layer's view of them, the rest scanned (a dynamic
+    # slice per layer, which XLA fuses into its own kernels and copies out before a custom kernel).
     graphdef, state = nnx.split(layers)
-    leaves, treedef = jax.tree.flatten(state)
-    small = [math.prod(jnp.shape(a)[1:]) <= LAYER_ROW_MAX_ELEMENTS for a in leaves]
-    small_l = [a for a, s in zip(leaves, small) if s]
-    big_l = [a for a, s in zip(leaves, small) if not s]
+    leaves, treedef = jax.tree.flatten(state, is_leaf=_layer_indexed)
+    kinds = ["view" if _layer_indexed(a) else "small" if math.prod(jnp.shape(a)[1:]) <= LAYER_ROW_MAX_ELEMENTS
+             else "big" for a in leaves]
+    small_l = [a.amax if k == "view" else a for a, k in zip(leaves, kinds) if k in ("small", "view")]
+    big_l = [a for a, k in zip(leaves, kinds) if k == "big"]
 
     def step_cached(carry, big_i):
         # The stacked cache rides in the carry: layer i writes its new tokens into it in place and reads its slice.
         x_btd, cache, i = carry
         rows_i, big_i = iter(kvc.layer_rows(small_l, i)), iter(big_i)
-        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, [next(rows_i) if s else next(big_i) for s in small]))
+        layer_leaves = [a.layer_view(i, next(rows_i)) if k == "view" else next(rows_i) if k == "small"
+                        else next(big_i) for a, k in zip(leaves, kinds)]
+        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer_leaves))
         x_btd, st, ex, cache = layer(x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cache=cache,
                                      slot_bt=slot_bt, layer_index=i)
         return (x_btd, cache, i + 1), (st, ex)
@@ -282,6 +287,11 @@ def _scan_layers(layers, x_btd, cos_bth, sin_bth, mask_bts, mask_bt, policy, cfg
 
 # Per-layer arrays up to this many elements are selected by kv_cache.layer_rows in a scanned decode step.
 LAYER_ROW_MAX_ELEMENTS = 1 << 14
+
+
+def _layer_indexed(x) -> bool:
+    """Stacked dense weights that a custom kernel reads at a layer index (`layer_view`; fp4_gemm's FP4GemmWeight)."""
+    return bool(getattr(type(x), "LAYER_INDEXED", False)) and x.layer is None and jnp.ndim(x.codes) == 4
 
 
 @functools.lru_cache(maxsize=4)
