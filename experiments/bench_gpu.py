@@ -27,8 +27,8 @@ that compiles). GPU only; `--small` shrinks every size for a dry run on a CPU (n
     Engine-only samplers: `bf16_cbwhile` / `bf16_nocb` (the engine compiled with command buffers over its decode
     loop too / with none: is the step launch-bound, and do CUDA graphs fix it?), `bf16_exit` (decode rounds that
     exit early: a host round trip per step, the CPU's loop; every other sampler runs the GPU's fixed rounds),
-    `bf16_scan` (the model with scan_layers=True: does scanning the layers slow the GPU's decode step?) and
-    --first_call_scan (its compile).
+    `bf16_scan` / `w4a4_scan` / `w4a4_fp4gemmscan` (the model with scan_layers=True, as sampler.scan_layers=True
+    runs it: does scanning the layers slow the GPU's decode step?) and --first_call_scan (its compile).
 (c) agree: greedy tokens of the w4a16 sampler on each weight-GEMM backend against the xla backend's.
 
 Prints a table per part and one JSON line (`"bench": "gpu"`).
@@ -67,8 +67,8 @@ VARIANTS = ("bf16", "fp8", "w4a16", "w4a16_int8", "w4a16_int8sc", "w4a16_fp4gemm
             "w4a4_fp4gemm")
 # fp4gemmreg: the same kernel with wgmma's A operand straight from registers (fp4_matmul(a_operand="registers"))
 LAYOUT_BACKENDS = {"": "xla", "int8": "xla_int8", "int8sc": "xla_int8", "fp4gemm": "fp4_gemm",
-                   "fp4gemmreg": "fp4_gemm", "scan": "xla", "scandsf": "xla", "cbwhile": "xla", "nocb": "xla",
-                   "exit": "xla"}
+                   "fp4gemmreg": "fp4_gemm", "scan": "xla", "scandsf": "xla", "fp4gemmscan": "fp4_gemm",
+                   "cbwhile": "xla", "nocb": "xla", "exit": "xla"}
 # int8sc (e.g. w4a16_int8sc): the int8 layout compiled with XLA's subchannel-dequantisation fusion, which can fuse
 # the codes' bf16 decode (NVFP4Int8Tensor.block_values) into the Triton GEMM, so no decoded bf16 weight goes
 # through HBM; an experimental XLA option (off by default), in the GEMM loops and the engine alike. Compiled for an
@@ -79,7 +79,8 @@ LAYOUT_XLA_OPTIONS = {"int8sc": (("xla_gpu_experimental_enable_subchannel_dequan
 # (same shapes, its own random init), decoding with its stacked KV cache as the trainer's sampler.scan_layers=True
 # runs it (no option of its own: XLA's dynamic-slice fusion, which it had, compiles the same program for an H200
 # on the CPU, 2026-12-08, where bf16 copies each layer's weights out of the stack; the GPU's autotuner might pick
-# library GEMMs that take the slice: `"scandsf"` adds it); "cbwhile" / "nocb" = the engine's
+# library GEMMs that take the slice: `"scandsf"` adds it), "fp4gemmscan" the same with the fp4_gemm kernels (each
+# reading its layer's view of the stacked weights); "cbwhile" / "nocb" = the engine's
 # programs compiled with XLA's command buffers (CUDA graphs) also over while loops and conditionals, so a decode
 # round runs as one graph with no host round trip per step / with no command buffers at all (EngineConfig
 # .xla_options; XLA's default puts fusions and GEMMs in command buffers but not loops).
@@ -95,6 +96,11 @@ ENGINE_XLA_OPTIONS = {
 # every step. Every other sampler runs the GPU's default, a fixed round ("auto": a known trip count).
 ENGINE_CONFIGS = {"exit": {"round_loop": "early_exit"}}
 TARGETS = {"w4a16_m1_16": 2.5, "w4a16_m64": 1.5, "w4a16_m256": 1.0, "w4a4_m16": 2.0}
+
+
+def _scanned(layout: str) -> bool:
+    """Whether a sampler layout decodes with the model's layers scanned (scan, scandsf, fp4gemmscan)."""
+    return layout.startswith("scan") or layout.endswith("scan")
 
 
 def interleaved(fns, repeats, errors=None):
@@ -301,7 +307,7 @@ def bench_engine(args, bw: float) -> list[dict]:
                                       **(SMALL_MODEL if args.small else {}))
         model = models.Qwen3(cfg, rngs=nnx.Rngs(0))
         scanned = (models.Qwen3(cfg.replace(scan_layers=True), rngs=nnx.Rngs(0))
-                   if any(s.endswith(("_scan", "_scandsf")) for s in args.samplers) else None)
+                   if any(_scanned(s.partition("_")[2]) for s in args.samplers) else None)
         params_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         for b in args.batches:
             sides, labels, engines = [], [], {}
@@ -310,7 +316,7 @@ def bench_engine(args, bw: float) -> list[dict]:
                 try:
                     policy = sampler_policy(preset, backend=LAYOUT_BACKENDS[layout])
                     calls, prompts, engine = _engine_run(
-                        scanned if layout.startswith("scan") else model, policy, b, args.prompt_len, args.new_tokens,
+                        scanned if _scanned(layout) else model, policy, b, args.prompt_len, args.new_tokens,
                         ENGINE_XLA_OPTIONS.get(layout, ()), **ENGINE_CONFIGS.get(layout, {}))
                     engines[label] = engine
                 except Exception as e:  # recorded as this sampler's error by interleaved

@@ -13,13 +13,14 @@
 # Not in these 10 minutes: the 4B W4A4 engine (the main config's sampler) and its first call, which compile for
 # long (the 2-core CPU's deviceless compile of the 4B decode round, 2026-12-05: w4a4 63 s, w4a4 fp4_gemm 49 s; the
 # prefill beside it 44 / 33 s; 2026-12-06, q / k / v and gate / up stored merged by the xla backend: w4a4 48 s;
-# after the combined KV buffer and the joint q / k norm, 1,204 launches, 44 s; with the layers scanned 4.9 s, but
-# each layer's weights copied out of the stack every step and 288 launches outside CUDA graphs: w4a4_scan weighs
-# that step against the unrolled one, --first_call_scan its first call). With device time left after the check, a
-# second call (~5-6 minutes):
+# after the combined KV buffer and the joint q / k norm, 1,204 launches, 44 s). With the layers scanned
+# (sampler.scan_layers=True) it compiles in ~4-5 s, and since 2026-12-08 its step reads the stacked KV cache and the
+# fp4_gemm kernels' stacked weights in place (one CUDA graph a layer, 40 launches a step outside a graph for xla):
+# the last part below weighs the scanned W4A4 samplers against bf16, if time is left. With device time left after
+# the check, a second call (~5-6 minutes; the unrolled W4A4 samplers and both first calls):
 #   python3 experiments/bench_gpu.py --parts engine,first_call --models qwen3_4b --batches 64 --no_hf \
-#     --samplers bf16,w4a4,w4a4_scan,w4a4_fp4gemm,w4a16_int8sc --first_call_samplers w4a4 --first_call_scan \
-#     --json "$OUT/bench_gpu_w4a4.json"
+#     --samplers bf16,w4a4,w4a4_scan,w4a4_fp4gemm,w4a4_fp4gemmscan,w4a16_int8sc --first_call_samplers w4a4 \
+#     --first_call_scan --json "$OUT/bench_gpu_w4a4.json"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -104,6 +105,11 @@ step "bench_gpu: 0.6B engine" 120 python3 experiments/bench_gpu.py --parts engin
 step "bench_gpu: 4B, first call" 100 python3 experiments/bench_gpu.py --parts engine,first_call \
   --models qwen3_4b --batches 64 --no_hf --samplers bf16,w4a16_fp4gemm \
   --json "$out/bench_gpu_b.json"
+# The main config's W4A4 sampler with its layers scanned (a ~5 s compile each), against bf16: what is left of the
+# budget (the parts above give way to none after them).
+step "bench_gpu: 4B W4A4 scanned" 90 python3 experiments/bench_gpu.py --parts engine \
+  --models qwen3_4b --batches 64 --no_hf --samplers bf16,w4a4_scan,w4a4_fp4gemmscan \
+  --json "$out/bench_gpu_c.json"
 
 echo "=== summary ==="
 printf '%s\n' "${summary[@]}"
