@@ -5,7 +5,8 @@
 - qdot / qragged_dot: the GPU equals the CPU within float32 accumulation order (exact block-scaled bf16 operands;
   only the GEMM's summation order may differ), in every 4-bit preset.
 - The rollout engine: a request's tokens and log-probs do not depend on the schedule (slots, batching) on the GPU,
-  nor on the decode round's loop (fixed rounds, the GPU's default, vs rounds that exit early).
+  with the layers unrolled or scanned, nor on the decode round's loop (fixed rounds, the GPU's default, vs rounds
+  that exit early).
 - Exact mode: the learner's recompute equals the sampler's log-probs bit for bit on the GPU, dense and MoE,
   unquantized and W4A4. Its CPU guarantees rest on XLA:CPU's kernels being row-count invariant from 64 rows on;
   on the GPU the GEMM's tiling, split-K and autotuning are chosen by shape, so this test is what tells whether
@@ -96,6 +97,21 @@ def test_schedule_never_changes_a_request_on_the_gpu():
 
     test_engine.test_schedule_never_changes_a_request(Qwen3(get_model_config("tiny", num_hidden_layers=2),
                                                             rngs=nnx.Rngs(0)))
+
+
+def test_a_scanned_samplers_requests_do_not_depend_on_the_schedule_on_the_gpu():
+    """The same property with the layers scanned (sampler.scan_layers=True): on a GPU the decode step's attention
+    reads the stacked cache by multiply-and-sum reductions (kv_cache.attention_in_place), whose bits must not
+    follow the slot count either. Continuous batching in 4 slots against one static batch of all 15 requests."""
+    import test_engine
+    from flax import nnx
+    from triage_jax.models import Qwen3, get_model_config
+
+    model = Qwen3(get_model_config("tiny", num_hidden_layers=2, scan_layers=True), rngs=nnx.Rngs(0))
+    _, ref = test_engine.run(model, slots=15, continuous=False)
+    _, out = test_engine.run(model, slots=4)
+    for k, v in test_engine.as_np(out).items():
+        np.testing.assert_array_equal(v, test_engine.as_np(ref)[k], err_msg=k)
 
 
 @DEVICE_ONLY
