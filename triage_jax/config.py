@@ -74,8 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.vocab_size = 0  # 0: take it from the tokenizer (tiny presets)
     c.model.num_hidden_layers = 0  # 0: the preset's depth; > 0 overrides it (a shallower or deeper preset model)
     # The learner's layers stacked and scanned (one layer to compile: the 4B W4A4 learner step compiles in ~15 s
-    # instead of minutes); the sampler unstacks them at each sync (its decode runs them unrolled). Needs one
-    # precision for every layer (no learner.rules) and no exact mode.
+    # instead of minutes); the sampler unstacks them at each sync (its decode runs them unrolled; sampler.scan_layers
+    # keeps them stacked). Needs one precision for every layer (no learner.rules) and no exact mode.
     c.model.scan_layers = False
 
     c.tokenizer = "char"  # "char", "bpe" (trained on the synthetic task's corpus, see c.bpe) or a tokenizer.json path

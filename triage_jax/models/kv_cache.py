@@ -33,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 from flax import struct
 
 from triage_jax.models.config import ModelConfig
@@ -332,10 +333,9 @@ def cached_attention(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_sl
     float32 accumulation (no per-step float32 copy of the cache). Forms of one computation, picked by the
     platform the program is lowered for: `attention_blocks` on the CPU (on the cache as `read` dequantizes it),
     `attention_rows` elsewhere (a GPU runs it in 3 kernels instead of 6), and there `attention_in_place` for one
-    new token a row when the buffers are a layer of a stacked cache (`stacked`: a scanned model's decode step)
-    and a KV head has at most IN_PLACE_MAX_GROUP query heads.
-    They agree to float rounding; each row's result depends on that row alone in all, so a request's bits never
-    depend on its slot or the other requests."""
+    new token a row when the buffers are a layer of a stacked cache (`stacked`: a scanned model's decode step) and
+    a KV head has at most IN_PLACE_MAX_GROUP query heads. They agree to float rounding; each row's result depends
+    on that row alone in all, so a request's bits never depend on its slot or the other requests."""
     if k_buf.shape[2] % BLOCK:
         raise ValueError(f"cached_attention: cache capacity {k_buf.shape[2]} is not a multiple of {BLOCK}")
 
@@ -458,8 +458,6 @@ def attention_in_place(q_btnh: jax.Array, k_buf: jax.Array, v_buf: jax.Array, q_
 
 def _row_major(x: jax.Array) -> jax.Array:
     """x with its layout held to the default row-major one (a constraint for XLA's layout assignment)."""
-    from jax.experimental.layout import Layout, with_layout_constraint
-
     return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 

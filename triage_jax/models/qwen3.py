@@ -304,8 +304,8 @@ def _per_layer_skeleton(cfg: ModelConfig):
 def unstack_layers(model: Qwen3) -> Qwen3:
     """A scan_layers=True model as the per-layer model (scan_layers=False) with the same weights, each layer's
     variables a slice of the stacked ones; any other model as it is. The learner scans its layers (one layer to
-    compile); the sampler's decode step runs them unrolled (scanned layers copy their weights out of the stack
-    at every step: tools/gpu_aot decode)."""
+    compile); the sampler's decode step runs them unrolled unless config sampler.scan_layers keeps them stacked
+    (a scanned bf16 step copies its weights out of the stack at every step: tools/gpu_aot decode)."""
     if not model.cfg.scan_layers:
         return model
     cfg = model.cfg.replace(scan_layers=False)
