@@ -42,7 +42,8 @@ to row tiles of their own, a table gives each tile its expert (read by the kerne
 then a dynamic slice of the stacked codes and scales) and its valid rows (an empty tile is skipped: nothing read,
 nothing written). An expert's weight crosses HBM once per row tile of its group. A scanned model's layer reads
 its own weights out of the stacked ones the same way (`FP4GemmWeight.layer_view`: every tile's index is the
-layer's), where a dynamic slice of the stacks would be a copy of the layer's codes and scales before the call.
+layer's; per-expert stacks [L, E, ...] are L x E weights, a tile's index L_i E + its expert), where a dynamic slice
+of the stacks would be a copy of the layer's codes and scales before the call.
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ class FP4GemmWeight:
         return (lead[1:] if self.layer is not None else lead) + (self.n, self.k)
 
     def layer_view(self, i: jax.Array, amax: jax.Array) -> FP4GemmWeight:
-        """Layer i of stacked dense weights (codes [L, K/32, N, 16], amax [L]) with that layer's amax row `amax`,
-        for the kernel to read in place (fp4_matmul): no copy of the layer's codes and scales."""
-        if self.codes.ndim != 4 or self.splits or self.layer is not None:
-            raise ValueError(f"FP4GemmWeight.layer_view: stacked dense weights expected, got codes {self.codes.shape}"
+        """Layer i of stacked weights (codes [L, K/32, N, 16], amax [L]; per expert [L, E, ...], amax [L, E]) with
+        that layer's amax row `amax`, for the kernel to read in place (fp4_matmul, fp4_grouped_matmul): no copy
+        of the layer's codes and scales."""
+        if self.codes.ndim not in (4, 5) or self.splits or self.layer is not None:
+            raise ValueError(f"FP4GemmWeight.layer_view: stacked weights expected, got codes {self.codes.shape}"
                              f"{' (merged)' if self.splits else ''}{' (a view)' if self.layer is not None else ''}")
         return self.replace(amax=amax, layer=jnp.asarray(i, I32))
 
@@ -452,21 +454,26 @@ def fp4_grouped_matmul(x: jax.Array, w: FP4GemmWeight, group_sizes_e: jax.Array,
     rows go to row tiles of their own (tile_m: default the mean group size rounded up to 16, at most 256), and each
     tile reads its expert's codes: an expert's weight crosses HBM once per tile of its rows, and a tile with no
     rows is skipped."""
-    if w.codes.ndim != 4:
+    stacked = w.layer is not None
+    if w.codes.ndim != 4 + stacked:
         raise ValueError(f"fp4_grouped_matmul: per-expert weights expected, got codes {w.codes.shape}")
-    e = w.codes.shape[0]
+    e = w.codes.shape[-4]
     n_true, k_true = w.shape[-2:]
     if x.ndim != 2 or x.shape[1] != k_true or group_sizes_e.shape != (e,):
         raise ValueError(f"fp4_grouped_matmul: expected x[M, {k_true}] and group sizes [{e}], got x {x.shape} and "
                          f"{group_sizes_e.shape}")
     interpret = mosaic.default_interpret() if interpret is None else interpret
     _check_a_operand(a_operand, interpret)
-    m, k = x.shape[0], w.codes.shape[1] * CHUNK
+    m, k = x.shape[0], w.codes.shape[-3] * CHUNK
     tile_m = tile_m or min(256, max(16, -(-(-(-m // e)) // 16) * 16))
     dest, tile_expert, tile_rows = grouped_tiles(group_sizes_e, m, tile_m)
     p = tile_expert.shape[0] * tile_m
     x_p = jnp.zeros((p, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
-    parts = _kernel_call(w.codes, w.scales, _padded(x_p, k, p), tile_expert, tile_rows, tile_m=tile_m,
+    codes, scales = w.codes, w.scales
+    if stacked:  # a layer view: the [L, E] stacks as L x E weights (a free reshape), this layer's E from L_i E on
+        codes, scales = codes.reshape(-1, *codes.shape[2:]), scales.reshape(-1, *scales.shape[2:])
+        tile_expert = tile_expert + w.layer * e
+    parts = _kernel_call(codes, scales, _padded(x_p, k, p), tile_expert, tile_rows, tile_m=tile_m,
                          mx=w.fmt_name == "mxfp4", chunks_per_step=chunks_per_step, split_k=1,
                          steps_in_flight=steps_in_flight, interpret=interpret, regs=a_operand == "registers")
     y_p = _sum_splits(parts)[:, :n_true]  # [P, N]; rows of skipped tiles were never written, and are never read
@@ -528,7 +535,7 @@ def _grouped_dot(x_mk: jax.Array, w, group_sizes_e: jax.Array, prec) -> jax.Arra
             return be.reference_grouped_dot(x_mk, w, group_sizes_e, prec)  # not 4-bit weights: xla's
         w = jax.vmap(lambda m: _quantize_kn(m, prec.weight, prec.weight_scaling))(w)  # raw [E, K, N], per expert
     if prec.act == "none" and x_mk.dtype != BF16:
-        return be.reference_grouped_dot(x_mk, jax.vmap(FP4GemmWeight.to_tensor)(w), group_sizes_e, prec)
+        return be.reference_grouped_dot(x_mk, jax.vmap(FP4GemmWeight.to_tensor)(w.sliced()), group_sizes_e, prec)
     xv, fx = be.fake_quant(x_mk, prec.act, prec.act_scaling)
     y = fp4_grouped_matmul(xv.astype(BF16), w, group_sizes_e, apply_factor=False)
     return y * fx * be.per_row_factor(w.factor, be.row_groups(group_sizes_e, x_mk.shape[0]))

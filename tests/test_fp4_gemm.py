@@ -72,7 +72,7 @@ def test_a_layer_view_of_stacked_weights_is_that_layers_product_bit_for_bit(fmt_
         assert view.shape == (128, 96) and not fg.concat_weights([view, view])
         np.testing.assert_array_equal(np.asarray(view_product(jnp.int32(i))), np.asarray(fg.fp4_matmul(x, w)))
         np.testing.assert_array_equal(np.asarray(view.dequantize()), np.asarray(w.dequantize()))
-    with pytest.raises(ValueError, match="stacked dense weights expected"):
+    with pytest.raises(ValueError, match="stacked weights expected"):
         layers[0].layer_view(jnp.int32(0), layers[0].amax)
 
 
@@ -298,6 +298,21 @@ def test_fp4_grouped_matmul_equals_ragged_dot(fmt_name, sizes):
     bound = 2 * 128 * 2.0**-24 * float(jnp.max(jnp.abs(ref))) * 8 + 1e-30  # loose: a wrong tile is O(1) off
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=bound)
     assert not np.any(np.asarray(got)[sum(sizes):])  # rows past the groups are exactly 0
+
+
+def test_a_layer_view_of_stacked_expert_weights_is_that_layers_grouped_product_bit_for_bit():
+    """Per-expert weights stacked by layer ([L, E, ...]: a scanned MoE's) through FP4GemmWeight.layer_view: the
+    kernel reads layer i's experts at L_i E + e of the stacks seen as L x E weights; the same bits as the layer's
+    own weights, for every layer (a view reading layer 0's experts, or the wrong expert, fails: they all differ)."""
+    layers = [jax.vmap(fg.prepare_weight)(jax.vmap(fmt.quantize_nvfp4)(
+        jax.random.normal(jax.random.key(20 + i), (3, 64, 128)) * 0.05)) for i in range(2)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    x, gs = _x(24, 128, seed=7), jnp.asarray([10, 0, 14], jnp.int32)
+    grouped = jax.jit(lambda w, g: fg.fp4_grouped_matmul(x, w, g, tile_m=16))
+    for i, w in enumerate(layers):
+        view = stacked.layer_view(jnp.int32(i), stacked.amax[i])
+        assert view.shape == (3, 64, 128)
+        np.testing.assert_array_equal(np.asarray(grouped(view, gs)), np.asarray(grouped(w, gs)))
 
 
 def test_grouped_tiles_place_each_group_in_its_own_tiles():

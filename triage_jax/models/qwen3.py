@@ -290,8 +290,9 @@ LAYER_ROW_MAX_ELEMENTS = 1 << 14
 
 
 def _layer_indexed(x) -> bool:
-    """Stacked dense weights that a custom kernel reads at a layer index (`layer_view`; fp4_gemm's FP4GemmWeight)."""
-    return bool(getattr(type(x), "LAYER_INDEXED", False)) and x.layer is None and jnp.ndim(x.codes) == 4
+    """Stacked weights that a custom kernel reads at a layer index (`layer_view`; fp4_gemm's FP4GemmWeight, dense
+    [L, ...] or per expert [L, E, ...])."""
+    return bool(getattr(type(x), "LAYER_INDEXED", False)) and x.layer is None and jnp.ndim(x.codes) in (4, 5)
 
 
 @functools.lru_cache(maxsize=4)
