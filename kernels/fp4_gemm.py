@@ -89,7 +89,7 @@ class FP4GemmWeight:
     fmt_name: str = struct.field(pytree_node=False, default="nvfp4")
     rounding: str = struct.field(pytree_node=False, default="floor")
     splits: tuple[int, ...] = struct.field(pytree_node=False, default=())  # merged: its parts' N (concat_weights)
-    # A layer of stacked weights (codes [L, K/32, N, 16]): the traced index the kernel reads them at (`layer_view`).
+    # A layer of stacked weights (codes [L, ...]): the traced index the kernel reads them at (`layer_view`).
     layer: jax.Array | None = None
 
     # A scanned model's layer takes its view of the stacked weights (layer_view) rather than a slice of them, which
